@@ -1,0 +1,484 @@
+"""The main process's side of an epoch: dispatcher, receiver, ledger, crash recovery.
+
+```
+  IndexPlan ──indices──► dispatcher ──Task──► worker k mod W (map-style)
+                                    ──Task──► every live worker (iterable)
+  receiver: Pool.wait(result pipes + sentinels)
+      ├─ Result ──► per-slot FIFO of received batches
+      └─ death  ──► keep complete results, respawn from the last received snapshot,
+                    re-send the outstanding tasks (bounded retries per batch)
+  __next__: takes the next batch in the fixed order, records its snapshot in the
+            ledger (EpochProgress), tops up the dispatcher, returns the batch.
+```
+
+- Order is decided by data, never timing: map-style batch k comes from worker
+  k mod W; iterable batches come round-robin from the workers not yet exhausted,
+  and a worker counts as exhausted only when its own "exhausted" reply is reached.
+- ``timeout > 0`` bounds each wait for a batch, as in torch. Otherwise the receiver
+  waits on pipes and sentinels together, so it wakes on either a result or a death.
+- ``num_workers=0`` runs the same :class:`WorkerRuntime` in this process, as worker 0
+  of a one-worker loader, with the process's RNG states swapped out around each call.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import cloudpickle
+import torch
+from torch.utils.data._utils import pin_memory as torch_pin_memory
+from torch.utils.data._utils import worker as torch_worker
+
+from .errors import WorkerCrashedError
+from .ledger import EpochProgress, WorkerLedger, resume_from
+from .plan import IndexPlan, RngSource, epoch_aware_part
+from .pool import Pool, describe_exit
+from .snapshot import Snapshot, capture_rng, restore_rng
+from .worker import (
+    BATCH,
+    ERROR,
+    EXHAUSTED,
+    Result,
+    Resume,
+    Task,
+    WorkerError,
+    WorkerRuntime,
+    WorkerSetup,
+    replay_message,
+    set_worker_info,
+    worker_main,
+)
+
+if TYPE_CHECKING:
+    from .loader import DataLoader
+
+_LIKELY_CAUSE: Final = {
+    "SIGKILL": "often the out-of-memory killer",
+    "SIGSEGV": "a native crash, often in a decoder or C extension",
+    "SIGBUS": "a native crash, often a truncated memory-mapped file or full /dev/shm",
+    "SIGABRT": "a native abort, often a failed assertion in a C extension",
+}
+
+
+@dataclass(frozen=True)
+class EpochStart:
+    """How the next epoch begins: fresh, or restored from a checkpoint."""
+
+    epoch: int
+    restore_rng: bytes | None = None  # the epoch-start RNG state to replay (a restore)
+    base_seed: int | None = None  # a restore's, or persistent workers' earlier seed
+    draw_base_seed: bool = True
+    yielded: int = 0
+    turn: int = 0
+    workers: list[WorkerLedger] | None = None
+    sampler_state: Any = None
+    sampler_epoch: int | None = None
+
+
+@dataclass
+class _Slot:
+    """Per worker, this epoch: tasks sent and not answered, answers not yet yielded."""
+
+    outstanding: deque[Task] = field(default_factory=deque)
+    received: deque[tuple[Task, Result]] = field(default_factory=deque)
+    sent: int = 0  # iterable: tasks sent this epoch (the worker-local batch key)
+    done: bool = False  # iterable: its "exhausted" reply arrived; send nothing more
+
+
+class SnapIterator:
+    """Iterator over one loader's batches; persistent workers reuse it across epochs."""
+
+    def __init__(self, loader: DataLoader, start: EpochStart) -> None:
+        self.loader = loader
+        self.iterable = loader._iterable
+        self.num_workers = loader.num_workers
+        self.slots_count = max(1, loader.num_workers)
+        self.prefetch: int = loader.prefetch_factor or 1 if loader.num_workers > 0 else 1
+        self.timeout_s = float(loader.timeout)
+        self.persistent = loader.persistent_workers
+        self.rng_source = RngSource(loader.generator)
+        self.pin = loader._pin_memory_active
+        self.pool: Pool | None = None
+        self.inline: WorkerRuntime | None = None
+        self.inline_rng = b""
+        self.base_seed: int | None = None
+        self.closed = False
+        self.crashes: dict[tuple[int, int | None], int] = {}
+        self.progress: EpochProgress
+        self.start_epoch(start)
+
+    # -- epoch start ----------------------------------------------------------------
+
+    def start_epoch(self, start: EpochStart) -> None:
+        loader = self.loader
+        sampler_with_epoch = None if self.iterable else epoch_aware_part(loader._index_sampler)
+        if start.sampler_epoch is not None and sampler_with_epoch is not None:
+            sampler_with_epoch.set_epoch(start.sampler_epoch)
+        source = self.rng_source
+        plan: IndexPlan | None = None
+        base_seed = start.base_seed
+        if start.restore_rng is not None:
+            rng_start = start.restore_rng
+            with source.replaying(rng_start):
+                if start.draw_base_seed:
+                    drawn = source.draw_base_seed()
+                    if base_seed is not None and drawn != base_seed:
+                        raise RuntimeError(
+                            f"restoring epoch {start.epoch}: the generator state in the "
+                            f"checkpoint gives base seed {drawn}, the checkpoint says "
+                            f"{base_seed}; the checkpoint was edited or is corrupt"
+                        )
+                    base_seed = drawn
+                if not self.iterable:
+                    plan = IndexPlan(loader._index_sampler, start.yielded, start.sampler_state)
+        else:
+            rng_start = source.get_state()
+            if start.draw_base_seed or base_seed is None:
+                base_seed = source.draw_base_seed()
+            if not self.iterable:
+                plan = IndexPlan(loader._index_sampler)
+        assert base_seed is not None
+        ledgers = start.workers or [WorkerLedger() for _ in range(self.slots_count)]
+        self.progress = EpochProgress(
+            epoch=start.epoch,
+            rng_kind=source.kind,
+            rng_start=rng_start,
+            base_seed=base_seed,
+            drew_base_seed=start.draw_base_seed,
+            workers=ledgers,
+            yielded=start.yielded,
+            turn=start.turn,
+            sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
+            plan_skip=start.yielded,
+            plan=plan,
+        )
+        self.plan = plan
+        self.plan_done = plan is None
+        self.dispatched = start.yielded
+        self.slots = [_Slot() for _ in range(self.slots_count)]
+        self._warn_or_refuse_replay()
+        fresh_workers = self.base_seed != base_seed or (self.pool is None and self.inline is None)
+        if fresh_workers:
+            self._stop_workers()
+            self.base_seed = base_seed
+            self._start_workers()
+        else:
+            # Persistent workers: put each at its epoch-start state explicitly, so a
+            # worker respawned last epoch cannot drift from the ledger.
+            for slot in range(self.slots_count):
+                self._send(slot, self._resume_message(slot))
+        self._dispatch()
+
+    def _warn_or_refuse_replay(self) -> None:
+        replays = [
+            self._resume_message(slot).replay for slot in range(self.slots_count)
+        ]
+        if not any(replays):
+            return
+        message = replay_message(self.loader.dataset, max(replays))
+        if self.loader.replay == "refuse":
+            from .errors import ReplayRefusedError
+
+            raise ReplayRefusedError(message + " (refused: the loader was built with replay='refuse')")
+        if self.loader.replay == "warn":
+            per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
+            warnings.warn(f"{message} [{per_worker}]", stacklevel=4)
+
+    def _setup(self) -> WorkerSetup:
+        loader = self.loader
+        return WorkerSetup(
+            dataset=loader.dataset,
+            iterable=self.iterable,
+            auto_collation=loader._auto_collation,
+            batch_size=loader.batch_size,
+            drop_last=loader.drop_last,
+            collate_fn=loader.collate_fn,
+            worker_init_fn=loader.worker_init_fn,
+            num_workers=self.slots_count,
+            base_seed=self.base_seed or 0,
+            state_every=loader.snapshot_every,
+        )
+
+    def _start_workers(self) -> None:
+        setup = self._setup()
+        if self.num_workers == 0:
+            self.inline = WorkerRuntime(setup, 0, copy_state=True)
+            self._inline_call(self.inline.initialize)
+        else:
+            context = self.loader._context
+            payload: WorkerSetup | bytes = setup
+            if context.get_start_method() != "fork":
+                payload = cloudpickle.dumps(setup)
+            self.pool = Pool(context, self.num_workers, worker_main, lambda slot: (payload, slot))
+            for slot in range(self.num_workers):
+                self.pool.start(slot)
+        for slot in range(self.slots_count):
+            self._send(slot, self._resume_message(slot))
+
+    def _resume_message(self, slot: int, *, received: bool = False) -> Resume:
+        """Where worker ``slot`` must stand: after its last yielded batch, or with
+        ``received``, after its last received one (for a respawn)."""
+        ledger = self.progress.workers[slot]
+        at, at_complete = ledger.yielded, ledger.yielded_complete
+        if received:
+            for _, result in self.slots[slot].received:
+                at = result.snapshot
+                if at.complete:
+                    at_complete = at
+        return resume_from(ledger.epoch_start, at, at_complete)
+
+    # -- dispatch ------------------------------------------------------------------
+
+    def _send(self, slot: int, msg: Resume | Task) -> None:
+        if isinstance(msg, Task):
+            self.slots[slot].outstanding.append(msg)
+        self._transmit(slot, msg)
+
+    def _transmit(self, slot: int, msg: Resume | Task) -> None:
+        if self.inline is not None:
+            if isinstance(msg, Resume):
+                self._inline_call(lambda: self.inline.resume(msg))  # type: ignore[union-attr]
+            return
+        assert self.pool is not None
+        worker = self.pool.workers[slot]
+        assert worker is not None
+        try:
+            worker.send(msg)
+        except OSError:
+            pass  # it died; the receiver sees its sentinel and re-sends what is outstanding
+
+    def _dispatch(self) -> None:
+        if self.iterable:
+            for slot, state in enumerate(self.slots):
+                if self.progress.workers[slot].exhausted:
+                    continue
+                while not state.done and len(state.outstanding) < self.prefetch:
+                    self._send(slot, Task(state.sent, None))
+                    state.sent += 1
+            return
+        assert self.plan is not None
+        limit = self.progress.yielded + self.prefetch * self.slots_count
+        while not self.plan_done and self.dispatched < limit:
+            indices = self.plan.take()
+            if indices is None:
+                self.plan_done = True
+                break
+            self._send(self.dispatched % self.slots_count, Task(self.dispatched, indices))
+            self.dispatched += 1
+
+    # -- receiving -----------------------------------------------------------------
+
+    def _inline_call(self, fn: Any) -> Any:
+        """Run ``fn`` as worker 0: its RNG states and worker info swapped in."""
+        assert self.inline is not None
+        main_rng = capture_rng()
+        main_info = torch_worker._worker_info
+        if self.inline_rng:
+            restore_rng(self.inline_rng)
+        set_worker_info(self.inline.info)
+        try:
+            return fn()
+        finally:
+            self.inline_rng = capture_rng()
+            restore_rng(main_rng)
+            set_worker_info(main_info)
+
+    def _await(self, slot: int) -> tuple[Task, Result]:
+        state = self.slots[slot]
+        if self.inline is not None:
+            if not state.received:
+                task = state.outstanding[0]
+                result = self._inline_call(lambda: self.inline.run(task))  # type: ignore[union-attr]
+                self._accept(slot, result)
+            return state.received.popleft()
+        assert self.pool is not None
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
+        while not state.received:
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            readable, exited = self.pool.wait(wait_s)
+            for ready in readable:
+                self._receive(ready)
+            for dead in exited:
+                self._on_death(dead)
+            if not state.received and deadline is not None and time.monotonic() >= deadline:
+                worker = self.pool.workers[slot]
+                pid = worker.pid if worker is not None else "?"
+                raise RuntimeError(
+                    f"DataLoader timed out after {self.loader.timeout} seconds waiting for "
+                    f"worker {slot} (pid {pid}) to produce batch "
+                    f"{state.outstanding[0].key if state.outstanding else '?'} of epoch "
+                    f"{self.progress.epoch}; raise timeout= or make the dataset faster"
+                )
+        return state.received.popleft()
+
+    def _accept(self, slot: int, result: Result) -> None:
+        state = self.slots[slot]
+        task = state.outstanding.popleft()
+        assert task.key == result.key, (task.key, result.key)
+        if result.kind == EXHAUSTED:
+            if state.done:
+                return  # replies to tasks sent before the first "exhausted" arrived
+            state.done = True
+        elif state.done:
+            return
+        state.received.append((task, result))
+
+    def _receive(self, slot: int) -> None:
+        assert self.pool is not None
+        worker = self.pool.workers[slot]
+        if worker is None:
+            return
+        try:
+            while worker.result.poll():
+                self._accept(slot, worker.result.recv())
+        except Exception:
+            # A torn message, or shared memory that can no longer be opened because
+            # its sender died: never received. Treat the worker as dead.
+            self._on_death(slot)
+
+    def _on_death(self, slot: int) -> None:
+        assert self.pool is not None
+        worker = self.pool.workers[slot]
+        if worker is None:
+            return
+        try:  # keep every complete result it sent before dying
+            while worker.result.poll():
+                self._accept(slot, worker.result.recv())
+        except Exception:
+            pass
+        if worker.process.is_alive():
+            worker.process.kill()
+        self.pool.discard(slot)
+        how = describe_exit(worker.process.exitcode)
+        state = self.slots[slot]
+        batch = state.outstanding[0].key if state.outstanding else None
+        key = (slot, batch)
+        self.crashes[key] = self.crashes.get(key, 0) + 1
+        retries = self.loader.max_worker_retries
+        what = self._describe_batch(slot, batch)
+        signal_name = how.rsplit(" ", 1)[-1]
+        cause = _LIKELY_CAUSE.get(signal_name, "")
+        cause_text = f" ({cause})" if cause else ""
+        if self.crashes[key] > retries:
+            self.close()
+            raise WorkerCrashedError(
+                f"worker {slot} (pid {worker.pid}) was {how} while loading {what}"
+                f"{cause_text}, {self.crashes[key]} times in a row; gave up after "
+                f"{retries} respawn(s) (max_worker_retries={retries}). The batch likely "
+                "holds a sample that crashes the dataset code; state_dict() still "
+                "resumes at this batch"
+            )
+        self.pool.start(slot)
+        self._transmit(slot, self._resume_message(slot, received=True))
+        for task in state.outstanding:
+            self._transmit(slot, task)
+        new = self.pool.workers[slot]
+        assert new is not None
+        warnings.warn(
+            f"worker {slot} (pid {worker.pid}) was {how} while loading {what}{cause_text}; "
+            f"respawned as pid {new.pid} from its snapshot, retry {self.crashes[key]} of "
+            f"{retries}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+    def _describe_batch(self, slot: int, key: int | None) -> str:
+        epoch = self.progress.epoch
+        if key is None:
+            return f"nothing (idle) in epoch {epoch}"
+        if self.iterable:
+            return f"its batch {key} of epoch {epoch}"
+        task = self.slots[slot].outstanding[0]
+        return f"batch {key} of epoch {epoch} (sample indices {_short(task.indices)})"
+
+    # -- yielding ------------------------------------------------------------------
+
+    def __iter__(self) -> SnapIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.closed or self.progress.ended:
+            raise StopIteration
+        found = self._next_result()
+        if found is None:
+            self._end_epoch()
+            raise StopIteration
+        task, result = found
+        progress = self.progress
+        progress.workers[self._last_slot].record(result.snapshot)
+        progress.yielded += 1
+        self._dispatch()
+        if result.kind == ERROR:
+            assert isinstance(result.payload, WorkerError)
+            where = self._where(self._last_slot, task)
+            raise result.payload.rebuild(where)
+        data = result.payload
+        if self.pin:
+            data = torch_pin_memory.pin_memory(data, self.loader._pin_device)
+        return data
+
+    def _next_result(self) -> tuple[Task, Result] | None:
+        progress = self.progress
+        if not self.iterable:
+            if self.plan_done and progress.yielded >= self.dispatched:
+                return None
+            self._last_slot = progress.yielded % self.slots_count
+            return self._await(self._last_slot)
+        while not all(ledger.exhausted for ledger in progress.workers):
+            slot = progress.turn
+            progress.turn = (slot + 1) % self.slots_count
+            if progress.workers[slot].exhausted:
+                continue
+            task, result = self._await(slot)
+            if result.kind == EXHAUSTED:
+                progress.workers[slot].record(result.snapshot)
+                continue
+            self._last_slot = slot
+            return task, result
+        return None
+
+    def _where(self, slot: int, task: Task) -> str:
+        if self.num_workers == 0:
+            place = "in the main process (num_workers=0)"
+        else:
+            place = f"in DataLoader worker process {slot}"
+        epoch = self.progress.epoch
+        where = f"{place} while loading batch {self.progress.yielded - 1} of epoch {epoch}"
+        if not self.iterable:
+            where += f" (sample indices {_short(task.indices)})"
+        return where
+
+    def _end_epoch(self) -> None:
+        self.progress.ended = True
+        if not self.persistent:
+            self.close()
+
+    # -- state and shutdown --------------------------------------------------------
+
+    def _stop_workers(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+        self.inline = None
+        self.inline_rng = b""
+
+    def close(self) -> None:
+        """Stop the workers; the iterator yields nothing more."""
+        self.closed = True
+        self._stop_workers()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _short(indices: Any, limit: int = 16) -> str:
+    if isinstance(indices, (list, tuple)) and len(indices) > limit:
+        return f"{list(indices[:limit])}... ({len(indices)} in all)"
+    return repr(indices)

@@ -1,0 +1,288 @@
+"""The public :class:`DataLoader`: torch's arguments, torch's stream, exact resume."""
+
+from __future__ import annotations
+
+import multiprocessing
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import torch
+import torch.utils.data as torch_data
+
+from .iterator import EpochStart, SnapIterator
+from .ledger import EpochProgress, WorkerLedger
+from .plan import RngSource
+from .state import FORMAT, VERSION, Fingerprint, check_fingerprint, validate
+
+_REPLAY_MODES: Final = ("warn", "allow", "refuse")
+
+
+class DataLoader(torch_data.DataLoader):
+    """A drop-in for :class:`torch.utils.data.DataLoader` whose ``state_dict()``, taken
+    at any moment, resumes the batch stream bit for bit in a new process.
+
+    The positional and keyword arguments are torch's, in torch's order, with torch's
+    defaults and validation. snaploader's own options are keyword-only:
+
+    * ``snapshot_every`` (int, default 1): for an iterable dataset whose iterator (or
+      the dataset) implements ``state_dict()``, call it only every N batches; resume
+      then replays at most N-1 batches from the last such state, exactly.
+    * ``replay`` ("warn", "allow" or "refuse"; default "warn"): what to do when an exact
+      resume of an iterable dataset without the state protocol must replay batches
+      from the epoch start: warn once, replay silently, or raise
+      :class:`~snaploader.ReplayRefusedError`.
+    * ``max_worker_retries`` (int, default 3): how many times a worker that dies on the
+      same batch is respawned before :class:`~snaploader.WorkerCrashedError`.
+
+    Differences from torch are listed in ``docs/differences.md``.
+    """
+
+    def __init__(
+        self,
+        dataset: torch_data.Dataset[Any],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: torch_data.Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: torch_data.Sampler[Any] | Iterable[Any] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        snapshot_every: int = 1,
+        replay: str = "warn",
+        max_worker_retries: int = 3,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if num_workers > 0 and self.prefetch_factor == 0:
+            raise ValueError(
+                "prefetch_factor=0 with num_workers > 0 would never send a batch to a "
+                "worker (torch's DataLoader then yields nothing); use prefetch_factor >= 1"
+            )
+        if not in_order:
+            warnings.warn(
+                "in_order=False has no effect in snaploader: batches are always yielded "
+                "in order, because an order that depends on timing cannot be resumed "
+                "exactly",
+                UserWarning,
+                stacklevel=2,
+            )
+        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 1:
+            raise ValueError(f"snapshot_every should be an int >= 1, got {snapshot_every!r}")
+        if replay not in _REPLAY_MODES:
+            raise ValueError(f"replay should be one of {_REPLAY_MODES}, got {replay!r}")
+        if not isinstance(max_worker_retries, int) or isinstance(max_worker_retries, bool) or max_worker_retries < 0:
+            raise ValueError(f"max_worker_retries should be an int >= 0, got {max_worker_retries!r}")
+        self.snapshot_every = snapshot_every
+        self.replay = replay
+        self.max_worker_retries = max_worker_retries
+        self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
+        self._pending: EpochStart | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._progress: EpochProgress | None = None
+        self._live: weakref.ref[SnapIterator] | None = None
+        self._persistent_iter: SnapIterator | None = None
+
+    # -- iteration -------------------------------------------------------------------
+
+    @property
+    def _context(self) -> Any:
+        context = self.multiprocessing_context
+        return multiprocessing.get_context() if context is None else context
+
+    @property
+    def _pin_memory_active(self) -> bool:
+        return bool(self.pin_memory) and torch.accelerator.is_available()
+
+    @property
+    def _pin_device(self) -> str | None:
+        accelerator = torch.accelerator.current_accelerator()
+        return None if accelerator is None else accelerator.type
+
+    def _warn_pin_memory(self) -> None:
+        # The same warnings torch's iterator gives, at the same moment.
+        if self.pin_memory and self.pin_memory_device:
+            warnings.warn(
+                "pin_memory_device is deprecated, the current accelerator will be used as "
+                f"the device,ignore pin_memory_device='{self.pin_memory_device}'.",
+                stacklevel=3,
+            )
+        if self.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, then "
+                "device pinned memory won't be used.",
+                stacklevel=3,
+            )
+
+    def __iter__(self) -> SnapIterator:  # type: ignore[override]
+        self._warn_pin_memory()
+        start = self._next_start()
+        self._pending_state = None
+        reuse = self._persistent_iter
+        if reuse is not None and not reuse.closed:
+            reuse.start_epoch(start)
+            iterator = reuse
+        else:
+            if self.num_workers > 0:
+                self.check_worker_number_rationality()
+            iterator = SnapIterator(self, start)
+            if self.persistent_workers:
+                self._persistent_iter = iterator
+        self._progress = iterator.progress
+        self._live = weakref.ref(iterator)
+        return iterator
+
+    def _next_start(self) -> EpochStart:
+        if self._pending is not None:
+            start, self._pending = self._pending, None
+            return start
+        previous = self._progress
+        if previous is None:
+            return EpochStart(epoch=0)
+        if self.persistent_workers:
+            return EpochStart(
+                epoch=previous.epoch + 1,
+                base_seed=previous.base_seed,
+                draw_base_seed=False,
+                workers=[ledger.next_epoch() for ledger in previous.workers],
+            )
+        return EpochStart(epoch=previous.epoch + 1)
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def _fingerprint(self) -> Fingerprint:
+        try:
+            length = len(self.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            length = None
+        return Fingerprint(
+            {
+                "dataset_kind": "iterable" if self._iterable else "map",
+                "dataset_length": length,
+                "batch_size": self.batch_size,
+                "num_workers": self.num_workers,
+                "drop_last": self.drop_last,
+                "sampler": type(self.sampler).__qualname__,
+                "batch_sampler": None if self.batch_sampler is None else type(self.batch_sampler).__qualname__,
+                "persistent_workers": self.persistent_workers,
+                "generator": "none" if self.generator is None else "given",
+            }
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream stands: plain data, O(num_workers) in size, taken without
+        talking to a worker. Load it with :meth:`load_state_dict` into a loader built
+        with the same arguments, in this process or another."""
+        if self._pending_state is not None:
+            return dict(self._pending_state)
+        progress = self._progress
+        state: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "fingerprint": dict(self._fingerprint().values),
+            "rng_kind": RngSource(self.generator).kind,
+        }
+        if progress is None:
+            state.update(
+                epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
+                base_seed=None, drew_base_seed=True, sampler_state=None,
+                sampler_epoch=None, workers=[],
+            )
+        else:
+            state.update(
+                epoch=progress.epoch,
+                ended=progress.ended,
+                yielded=progress.yielded,
+                turn=progress.turn,
+                rng_start=progress.rng_start,
+                base_seed=progress.base_seed,
+                drew_base_seed=progress.drew_base_seed,
+                sampler_state=progress.sampler_state(),
+                sampler_epoch=progress.sampler_epoch,
+                workers=[ledger.to_plain() for ledger in progress.workers],
+            )
+        ended = state["ended"]
+        state["rng_next"] = (
+            RngSource(self.generator).get_state() if ended and self.generator is not None else None
+        )
+        return state
+
+    def load_state_dict(
+        self, state: dict[str, Any], *, allow_mismatch: Iterable[str] = ()
+    ) -> None:
+        """Make the next ``iter(loader)`` continue where ``state`` was taken.
+
+        Raises :class:`~snaploader.CheckpointFormatError` for a malformed ``state`` and
+        :class:`~snaploader.CheckpointMismatchError` when it was taken from a loader
+        built differently, unless the differing names are in ``allow_mismatch``.
+        """
+        validate(state)
+        allowed = frozenset(allow_mismatch)
+        check_fingerprint(state, self._fingerprint(), allowed)
+        ledgers = [WorkerLedger.from_plain(plain) for plain in state["workers"]]
+        if len(ledgers) != max(1, self.num_workers):
+            ledgers = []  # num_workers differs (allowed): workers start freshly seeded
+        if self._persistent_iter is not None:
+            self._persistent_iter.close()
+            self._persistent_iter = None
+        if state["ended"]:
+            if state["rng_next"] is not None and self.generator is not None:
+                RngSource(self.generator).set_state(state["rng_next"])
+            if self.persistent_workers and state["epoch"] >= 0 and ledgers:
+                start = EpochStart(
+                    epoch=state["epoch"] + 1,
+                    base_seed=state["base_seed"],
+                    draw_base_seed=False,
+                    workers=[ledger.next_epoch() for ledger in ledgers],
+                    sampler_epoch=None,
+                )
+            else:
+                start = EpochStart(epoch=state["epoch"] + 1)
+        else:
+            start = EpochStart(
+                epoch=state["epoch"],
+                restore_rng=state["rng_start"],
+                base_seed=state["base_seed"],
+                draw_base_seed=state["drew_base_seed"],
+                yielded=state["yielded"],
+                turn=state["turn"] if ledgers else 0,
+                workers=ledgers or None,
+                sampler_state=state["sampler_state"],
+                sampler_epoch=state["sampler_epoch"],
+            )
+        self._pending = start
+        self._pending_state = dict(state)
+        self._progress = None
+
+    def __del__(self) -> None:
+        iterator = getattr(self, "_persistent_iter", None)
+        if iterator is not None:
+            iterator.close()

@@ -1,0 +1,150 @@
+"""Which indices make batch k of an epoch, and where the epoch's randomness comes from.
+
+Pure bookkeeping in the main process: no processes, no datasets read.
+
+- :class:`RngSource` is what torch's DataLoader draws from at the start of an epoch:
+  the ``generator`` argument, or torch's global RNG when there is none. Its state at
+  the epoch start is saved in the checkpoint; restoring sets it back and repeats the
+  same draws (the workers' base seed, then the sampler's), so the generator ends the
+  epoch where the uninterrupted run leaves it. torch's global RNG belongs to the
+  training loop, so it is only borrowed for those draws and then put back.
+- :class:`IndexPlan` walks the index sampler lazily, batch by batch, as torch does.
+  Restoring to batch k skips k batches of *indices* (for torch's ``BatchSampler`` by
+  skipping k * batch_size sampler items at C speed), or loads the sampler's own
+  ``state_dict()`` saved before batch k when the sampler implements the protocol.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler
+
+from .worker import has_state_protocol
+
+
+class RngSource:
+    """The generator an epoch's base seed and default sampler draw from."""
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+
+    @property
+    def kind(self) -> str:
+        return "global" if self.generator is None else "generator"
+
+    def get_state(self) -> bytes:
+        state = torch.get_rng_state() if self.generator is None else self.generator.get_state()
+        return state.numpy().tobytes()
+
+    def set_state(self, state: bytes) -> None:
+        tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+        if self.generator is None:
+            torch.set_rng_state(tensor)
+        else:
+            self.generator.set_state(tensor)
+
+    def draw_base_seed(self) -> int:
+        # The same draw, from the same generator, in the same order as torch's
+        # _BaseDataLoaderIter.__init__.
+        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+
+    @contextmanager
+    def replaying(self, state: bytes) -> Iterator[None]:
+        """Run the body with the source set to ``state``. The global RNG is handed back
+        to the training loop afterwards as it was; a generator keeps what the body
+        drew, as in the uninterrupted run."""
+        saved = torch.get_rng_state() if self.generator is None else None
+        self.set_state(state)
+        try:
+            yield
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved)
+
+
+def _consume(iterator: Iterator[Any], n: int) -> None:
+    next(itertools.islice(iterator, n, n), None)
+
+
+def _batches(items: Iterator[Any], batch_size: int, drop_last: bool) -> Iterator[list[Any]]:
+    # Yields exactly what torch's BatchSampler yields over the same items.
+    while True:
+        batch = list(itertools.islice(items, batch_size))
+        if not batch or (drop_last and len(batch) < batch_size):
+            return
+        yield batch
+
+
+def stateful_part(index_sampler: Any) -> Any | None:
+    """The object whose state_dict()/load_state_dict() positions the index stream: the
+    index sampler itself, or the sampler inside torch's BatchSampler; None if neither
+    implements the protocol."""
+    if has_state_protocol(index_sampler):
+        return index_sampler
+    if type(index_sampler) is BatchSampler and has_state_protocol(index_sampler.sampler):
+        return index_sampler.sampler
+    return None
+
+
+def epoch_aware_part(index_sampler: Any) -> Any | None:
+    """The sampler with ``set_epoch`` (DistributedSampler and kin), if any."""
+    for obj in (index_sampler, getattr(index_sampler, "sampler", None)):
+        if obj is not None and callable(getattr(obj, "set_epoch", None)) and hasattr(obj, "epoch"):
+            return obj
+    return None
+
+
+class IndexPlan:
+    """The batches of indices of one epoch of a map-style dataset, drawn lazily.
+
+    The first batch is drawn on construction, so the sampler's own random draws happen
+    at the epoch start (inside :meth:`RngSource.replaying` on restore).
+    """
+
+    def __init__(self, index_sampler: Any, skip: int = 0, sampler_state: Any = None) -> None:
+        self.stateful = stateful_part(index_sampler)
+        if self.stateful is not None and sampler_state is not None:
+            self.stateful.load_state_dict(sampler_state)
+            skip = 0  # the sampler's own state already stands at batch `skip`
+        self.batches = self._iterate(index_sampler, skip)
+        # state_dict() of the stateful sampler taken before each drawn batch, oldest first
+        self.states: deque[Any] = deque()
+        self.next_index = 0
+        self.upcoming = self._draw()
+
+    def _iterate(self, index_sampler: Any, skip: int) -> Iterator[Any]:
+        if type(index_sampler) is BatchSampler:
+            items = iter(index_sampler.sampler)
+            _consume(items, skip * index_sampler.batch_size)
+            return _batches(items, index_sampler.batch_size, index_sampler.drop_last)
+        batches = iter(index_sampler)
+        _consume(batches, skip)
+        return batches
+
+    def _draw(self) -> Any | None:
+        if self.stateful is not None:
+            self.states.append(self.stateful.state_dict())
+        return next(self.batches, None)
+
+    def take(self) -> Any | None:
+        """The indices of the next batch, or None at the end of the epoch."""
+        batch = self.upcoming
+        if batch is not None:
+            self.upcoming = self._draw()
+        return batch
+
+    def sampler_state_before(self, yielded_in_plan: int) -> Any:
+        """The stateful sampler's state before the ``yielded_in_plan``-th batch this
+        plan drew (counting from 0), or None for samplers without the protocol."""
+        if self.stateful is None:
+            return None
+        while len(self.states) > 1 and self.next_index < yielded_in_plan:
+            self.states.popleft()
+            self.next_index += 1
+        return self.states[0]

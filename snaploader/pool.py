@@ -1,0 +1,182 @@
+"""Start, watch and stop worker processes. Knows nothing of datasets.
+
+```
+ main process                               worker slot w
+  WorkerProcess.task   ── task pipe ──────►  worker_main(...)
+  WorkerProcess.result ◄── result pipe ────
+  WorkerProcess.process.sentinel  (readable once the process has exited)
+```
+
+- One task pipe and one result pipe per worker, never a queue shared by workers: a
+  worker killed while writing corrupts only its own result pipe, which is thrown away
+  with it (torch's shared result queue is why torch cannot recover from a dead worker).
+- :meth:`Pool.wait` waits on every result pipe and every process sentinel at once
+  (``multiprocessing.connection.wait``), so a death is seen as soon as it happens, not
+  at the next poll.
+- Stopping never blocks forever: ``None`` is sent, the process is joined for
+  ``_JOIN_TIMEOUT_S``, then terminated, then killed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing
+import multiprocessing.util
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
+from typing import Any, Final
+
+_JOIN_TIMEOUT_S: Final = 5.0
+_KILL_TIMEOUT_S: Final = 2.0
+# A worker drains its task pipe before each (possibly blocking) send of a result; a
+# roomy task pipe means the main process never waits on a busy worker to send a task.
+_TASK_PIPE_BYTES: Final = 1 << 20
+_F_SETPIPE_SZ: Final = 1031
+
+
+def _widen_pipe(conn: Connection) -> None:
+    try:
+        fcntl.fcntl(conn.fileno(), _F_SETPIPE_SZ, _TASK_PIPE_BYTES)
+    except OSError:  # above /proc/sys/fs/pipe-max-size: keep the default
+        pass
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'killed by SIGKILL' / 'exited with code 3' / 'still running'."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+@dataclass
+class WorkerProcess:
+    slot: int
+    process: multiprocessing.process.BaseProcess
+    task: Connection  # main's sending end
+    result: Connection  # main's receiving end
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def send(self, msg: Any) -> None:
+        self.task.send(msg)
+
+    def close_pipes(self) -> None:
+        self.task.close()
+        self.result.close()
+
+
+class Pool:
+    """A fixed number of worker slots, each holding at most one live process.
+
+    ``target(*make_args(slot), task_conn, result_conn, parent_pid, inherited_fds)`` is
+    the worker's entry point.
+    """
+
+    def __init__(
+        self,
+        context: BaseContext,
+        num_slots: int,
+        target: Callable[..., None],
+        make_args: Callable[[int], tuple[Any, ...]],
+    ) -> None:
+        self.context = context
+        self.target = target
+        self.make_args = make_args
+        self.workers: list[WorkerProcess | None] = [None] * num_slots
+        self.owner_pid = os.getpid()
+        self._fork = context.get_start_method() == "fork"
+        if self._fork:
+            # Forked workers then share the parent's temporary directory (used for the
+            # sockets that pass shared-memory file descriptors) instead of each making
+            # one that a SIGKILL would leave behind.
+            multiprocessing.util.get_temp_dir()
+
+    def start(self, slot: int) -> WorkerProcess:
+        """Start a new process in ``slot`` (the slot must be empty)."""
+        assert self.workers[slot] is None
+        task_recv, task_send = self.context.Pipe(duplex=False)
+        result_recv, result_send = self.context.Pipe(duplex=False)
+        _widen_pipe(task_send)
+        inherited = []
+        if self._fork:
+            for other in self.workers:
+                if other is not None:
+                    inherited += [other.task.fileno(), other.result.fileno()]
+            inherited += [task_send.fileno(), result_recv.fileno()]
+        process = self.context.Process(  # type: ignore[attr-defined]
+            target=self.target,
+            args=(*self.make_args(slot), task_recv, result_send, os.getpid(), inherited),
+            daemon=True,
+            name=f"snaploader-worker-{slot}",
+        )
+        try:
+            process.start()
+        finally:
+            task_recv.close()
+            result_send.close()
+        worker = WorkerProcess(slot, process, task_send, result_recv)
+        self.workers[slot] = worker
+        return worker
+
+    def wait(self, timeout_s: float | None) -> tuple[list[int], list[int]]:
+        """Block until a result pipe is readable or a process has exited, or
+        ``timeout_s`` passes. Returns (slots with results, slots whose process exited)."""
+        handles: dict[Any, tuple[int, bool]] = {}
+        for worker in self.workers:
+            if worker is not None:
+                handles[worker.result] = (worker.slot, True)
+                handles[worker.process.sentinel] = (worker.slot, False)
+        ready = wait(list(handles), timeout_s)
+        readable = sorted({handles[h][0] for h in ready if handles[h][1]})
+        exited = sorted({handles[h][0] for h in ready if not handles[h][1]})
+        return readable, exited
+
+    def discard(self, slot: int) -> WorkerProcess:
+        """Forget the (dead) process in ``slot`` and close its pipes."""
+        worker = self.workers[slot]
+        assert worker is not None
+        worker.process.join(_KILL_TIMEOUT_S)
+        worker.close_pipes()
+        self.workers[slot] = None
+        return worker
+
+    def kill(self, slot: int) -> None:
+        worker = self.workers[slot]
+        if worker is not None and worker.process.is_alive():
+            worker.process.kill()
+
+    def shutdown(self) -> None:
+        """Stop every worker; never blocks longer than the join timeouts."""
+        if os.getpid() != self.owner_pid:
+            return  # a forked child holding a copy of this pool owns none of its workers
+        live = [w for w in self.workers if w is not None]
+        for worker in live:
+            try:
+                worker.send(None)
+            except OSError:
+                pass
+            # A worker blocked sending a result we will never read sees a broken pipe.
+            worker.result.close()
+        for worker in live:
+            worker.process.join(_JOIN_TIMEOUT_S)
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(_KILL_TIMEOUT_S)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(_KILL_TIMEOUT_S)
+            worker.task.close()
+            worker.process.close()
+        self.workers = [None] * len(self.workers)

@@ -1,0 +1,384 @@
+"""What runs in a worker: seeding, fetching, the snapshot after every batch.
+
+Protocol (one task pipe in, one result pipe out, per worker; see ``pool.py``):
+
+- main -> worker: a :class:`Resume` first in every epoch (and first of all after a
+  respawn), then :class:`Task` messages, then ``None`` to stop. Tasks are answered in
+  the order they were sent, one :class:`Result` each.
+- worker -> main: a :class:`Result` carries the batch (or the worker's exception, or the
+  news that an iterable dataset ran dry) and the :class:`~snaploader.snapshot.Snapshot`
+  taken right after it. Tensors go through shared memory (torch's reductions on
+  ``multiprocessing``'s pickler); the worker stays alive until told to stop, so the
+  main process can always open what it was sent.
+- A worker exits on ``None``, on end-of-file of its task pipe, or when its parent is
+  gone (checked whenever it has waited ``_WATCHDOG_INTERVAL_S`` without a task). It
+  never blocks forever: sends block only while the main process is alive to read.
+
+The same :class:`WorkerRuntime` also runs in the main process for ``num_workers=0``,
+with the main process's RNG states swapped out around each call (``iterator.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import signal
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Final
+
+import cloudpickle
+import numpy as np
+import psutil
+import torch
+from torch.utils.data._utils import worker as torch_worker
+
+from .snapshot import Snapshot, capture_rng, check_plain, restore_rng
+
+_WATCHDOG_INTERVAL_S: Final = 1.0
+
+BATCH: Final = "batch"
+ERROR: Final = "error"
+EXHAUSTED: Final = "exhausted"
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Everything a worker needs besides its id; sent once per worker process."""
+
+    dataset: Any
+    iterable: bool
+    auto_collation: bool
+    batch_size: int | None
+    drop_last: bool
+    collate_fn: Callable[[Any], Any]
+    worker_init_fn: Callable[[int], None] | None
+    num_workers: int
+    base_seed: int
+    state_every: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Position the worker for an epoch: restore ``base`` (None: keep the current state,
+    i.e. the fresh seed state or, for persistent workers, where the last epoch left it),
+    set the epoch position to ``base_produced``, replay ``replay`` batches, and finally
+    set the RNGs to ``final_rng`` when given. ``new_epoch`` says that ``base`` is the
+    state at an epoch start, so an iterator-level state in it belongs to the last epoch."""
+
+    base: Snapshot | None
+    base_produced: int
+    replay: int
+    final_rng: bytes | None
+    new_epoch: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """Produce one batch. ``key`` is the global batch index (map-style) or the worker's
+    own batch count (iterable); ``indices`` are the sample indices (map-style only)."""
+
+    key: int
+    indices: Any
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """An exception raised by user code in a worker, ready to be raised again."""
+
+    pickled: bytes | None
+    type_name: str
+    formatted: str
+
+    @staticmethod
+    def capture(exc: BaseException) -> WorkerError:
+        formatted = "".join(traceback.format_exception(exc))
+        pickled: bytes | None
+        try:
+            blob: bytes = cloudpickle.dumps(exc)
+            pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
+            pickled = blob
+        except Exception:
+            pickled = None
+        return WorkerError(pickled, type(exc).__qualname__, formatted)
+
+    def rebuild(self, where: str) -> BaseException:
+        """The original exception (or a RuntimeError when it cannot be rebuilt), with a
+        note naming ``where`` it happened and the worker's traceback."""
+        note = f"Caught {self.type_name} {where}.\nOriginal {self.formatted}"
+        exc: BaseException | None = None
+        if self.pickled is not None:
+            try:
+                exc = pickle.loads(self.pickled)
+            except Exception:
+                exc = None
+        if exc is None:
+            return RuntimeError(note)
+        exc.add_note(note)
+        return exc
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    key: int
+    kind: str  # BATCH | ERROR | EXHAUSTED
+    payload: Any
+    snapshot: Snapshot
+
+
+def has_state_protocol(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def seed_like_torch(base_seed: int, worker_id: int) -> int:
+    """Seed the three global RNGs exactly as torch seeds worker ``worker_id``."""
+    seed = base_seed + worker_id
+    import random
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(torch_worker._generate_state(base_seed, worker_id))
+    return seed
+
+
+def set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
+    # torch.utils.data.get_worker_info() and snaploader.get_worker_info() read this.
+    torch_worker._worker_info = info
+
+
+class WorkerRuntime:
+    """Produces the batches of one worker slot and the snapshot after each."""
+
+    def __init__(self, setup: WorkerSetup, worker_id: int, *, copy_state: bool) -> None:
+        self.setup = setup
+        self.worker_id = worker_id
+        self.dataset = setup.dataset
+        # In the main process a state_dict() may alias live objects; copy it there.
+        self.copy_state = copy_state
+        self.info: torch_worker.WorkerInfo | None = None
+        self.pending_error: WorkerError | None = None
+        self.iterator: Iterator[Any] | None = None
+        self.ended = False
+        self.exhausted = False
+        self.produced = 0
+        self.checked_plain = False
+
+    # -- start-up and positioning -------------------------------------------------
+
+    def initialize(self) -> None:
+        """Seed as torch does, publish the worker info, run ``worker_init_fn``."""
+        seed = seed_like_torch(self.setup.base_seed, self.worker_id)
+        self.info = torch_worker.WorkerInfo(
+            id=self.worker_id,
+            num_workers=self.setup.num_workers,
+            seed=seed,
+            dataset=self.dataset,
+        )
+        set_worker_info(self.info)
+        if self.setup.worker_init_fn is not None:
+            try:
+                self.setup.worker_init_fn(self.worker_id)
+            except Exception as exc:
+                self.pending_error = WorkerError.capture(exc)
+
+    def resume(self, msg: Resume) -> None:
+        base = msg.base
+        self.ended = self.exhausted = False
+        self.checked_plain = False
+        if base is not None:
+            restore_rng(base.rng)
+            if base.data_owner == "dataset":
+                self.dataset.load_state_dict(self._copied(base.data))
+        self.produced = msg.base_produced
+        if self.setup.iterable:
+            try:
+                self.iterator = iter(self.dataset)
+                if base is not None and not msg.new_epoch and base.data_owner == "iterator":
+                    self.iterator.load_state_dict(self._copied(base.data))  # type: ignore[union-attr]
+            except Exception as exc:
+                self.pending_error = WorkerError.capture(exc)
+                self.iterator = iter(())
+            for _ in range(msg.replay):
+                self._replay_one()
+        if msg.final_rng is not None:
+            restore_rng(msg.final_rng)
+
+    def _replay_one(self) -> None:
+        try:
+            self._fetch_iterable()
+        except StopIteration:
+            self.exhausted = True
+        except Exception:  # the original run raised here too and went on
+            pass
+        self.produced += 1
+
+    # -- producing ----------------------------------------------------------------
+
+    def run(self, task: Task) -> Result:
+        if self.exhausted:
+            return Result(task.key, EXHAUSTED, None, self.snapshot())
+        kind = BATCH
+        payload: Any
+        if self.pending_error is not None:
+            kind, payload, self.pending_error = ERROR, self.pending_error, None
+        else:
+            try:
+                if self.setup.iterable:
+                    payload = self._fetch_iterable()
+                else:
+                    payload = self._fetch_map(task.indices)
+            except StopIteration as exc:
+                if self.setup.iterable:
+                    self.exhausted = True
+                    return Result(task.key, EXHAUSTED, None, self.snapshot())
+                kind, payload = ERROR, WorkerError.capture(exc)
+            except Exception as exc:
+                kind, payload = ERROR, WorkerError.capture(exc)
+        self.produced += 1
+        return Result(task.key, kind, payload, self.snapshot())
+
+    def _fetch_map(self, indices: Any) -> Any:
+        setup = self.setup
+        if not setup.auto_collation:
+            return setup.collate_fn(self.dataset[indices])
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems:
+            data = getitems(indices)
+        else:
+            data = [self.dataset[i] for i in indices]
+        return setup.collate_fn(data)
+
+    def _fetch_iterable(self) -> Any:
+        # Mirrors torch's _IterableDatasetFetcher exactly, drop_last included.
+        if self.ended:
+            raise StopIteration
+        assert self.iterator is not None
+        setup = self.setup
+        if not setup.auto_collation:
+            return setup.collate_fn(next(self.iterator))
+        assert setup.batch_size is not None
+        data = []
+        for _ in range(setup.batch_size):
+            try:
+                data.append(next(self.iterator))
+            except StopIteration:
+                self.ended = True
+                break
+        if not data or (setup.drop_last and len(data) < setup.batch_size):
+            raise StopIteration
+        return setup.collate_fn(data)
+
+    # -- snapshots ----------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        setup = self.setup
+        rng = capture_rng()
+        owner: str | None = None
+        if setup.iterable and has_state_protocol(self.iterator):
+            owner = "iterator"
+        elif has_state_protocol(self.dataset):
+            owner = "dataset"
+        if setup.iterable:
+            due = self.exhausted or self.produced % setup.state_every == 0
+            if owner is None or not due:
+                return Snapshot(rng, self.produced, complete=False, exhausted=self.exhausted)
+        if owner is None:
+            return Snapshot(rng, self.produced)
+        source = self.iterator if owner == "iterator" else self.dataset
+        data = source.state_dict()  # type: ignore[union-attr]
+        if not self.checked_plain:
+            check_plain(data, f"{owner} state_dict() in worker {self.worker_id}")
+            self.checked_plain = True
+        return Snapshot(rng, self.produced, self._copied(data), owner, True, self.exhausted)
+
+    def _copied(self, data: Any) -> Any:
+        return copy.deepcopy(data) if self.copy_state else data
+
+
+def replay_message(dataset: Any, batches: int) -> str:
+    return (
+        f"{type(dataset).__qualname__} has no state_dict()/load_state_dict() on the "
+        f"dataset or on the iterator iter(dataset) returns, so an exact resume replays "
+        f"{batches} batch(es) per worker from the epoch start, reading and discarding "
+        "them; implement state_dict()/load_state_dict() on the iterator to resume "
+        "without reading skipped data"
+    )
+
+
+# -- the worker process ---------------------------------------------------------------
+
+
+def worker_main(
+    setup: WorkerSetup | bytes,
+    worker_id: int,
+    task_conn: Connection,
+    result_conn: Connection,
+    parent_pid: int,
+    inherited_fds: list[int],
+) -> None:
+    """Entry point of a worker process (see the module docstring for the protocol)."""
+    # Ctrl-C reaches the whole process group; the main process handles it and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Under fork we inherited the main process's ends of every other worker's pipes.
+    # Holding them would keep those pipes open after their owners are gone.
+    for fd in inherited_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    torch.utils.data._utils.signal_handling._set_worker_signal_handlers()
+    torch.set_num_threads(1)
+    if isinstance(setup, bytes):
+        setup = pickle.loads(setup)
+    assert isinstance(setup, WorkerSetup)
+    runtime = WorkerRuntime(setup, worker_id, copy_state=False)
+    runtime.initialize()
+    parent = psutil.Process(parent_pid)
+    pending: deque[Any] = deque()
+
+    def drain() -> bool:
+        """Move every waiting message into ``pending``; False on end-of-file."""
+        try:
+            while task_conn.poll():
+                pending.append(task_conn.recv())
+        except (EOFError, OSError):
+            return False
+        return True
+
+    while True:
+        if not pending:
+            try:
+                ready = task_conn.poll(_WATCHDOG_INTERVAL_S)
+            except (EOFError, OSError):
+                return
+            if not ready:
+                if os.getppid() != parent_pid or not parent.is_running():
+                    return
+                continue
+        if not drain() and not pending:
+            return
+        msg = pending.popleft()
+        if msg is None:
+            return
+        if isinstance(msg, Resume):
+            runtime.resume(msg)
+            continue
+        result = runtime.run(msg)
+        drain()  # so the main process never blocks sending us a task while we send
+        try:
+            result_conn.send(result)
+        except (BrokenPipeError, ConnectionResetError):
+            return
+        except Exception as exc:  # the batch could not be pickled
+            error = WorkerError.capture(
+                TypeError(f"the batch produced for batch {result.key} could not be "
+                          f"sent to the main process: {type(exc).__name__}: {exc}")
+            )
+            result_conn.send(Result(result.key, ERROR, error, result.snapshot))
+        del result, msg
