@@ -18,6 +18,7 @@ from .errors import (
     ReplayRefusedError,
     StateNotPlainDataError,
     WorkerCrashedError,
+    WorkerRespawnedWarning,
 )
 from .loader import DataLoader
 
@@ -28,6 +29,7 @@ __all__ = [
     "ReplayRefusedError",
     "StateNotPlainDataError",
     "WorkerCrashedError",
+    "WorkerRespawnedWarning",
     "WorkerInfo",
     "get_worker_info",
 ]

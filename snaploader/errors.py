@@ -30,3 +30,8 @@ class StateNotPlainDataError(TypeError):
     """A dataset's or iterator's ``state_dict()`` returned something that cannot be
     saved as plain checkpoint data (``torch.load(weights_only=True)`` would refuse it).
     The message names the key path and the offending type."""
+
+
+class WorkerRespawnedWarning(RuntimeWarning):
+    """A worker process died and was respawned from its snapshot; the stream goes on
+    unchanged. The message names the worker, its pid, the signal, and the batch."""

@@ -33,10 +33,10 @@ import torch
 from torch.utils.data._utils import pin_memory as torch_pin_memory
 from torch.utils.data._utils import worker as torch_worker
 
-from .errors import WorkerCrashedError
+from .errors import ReplayRefusedError, WorkerCrashedError, WorkerRespawnedWarning
 from .ledger import EpochProgress, WorkerLedger, resume_from
 from .plan import IndexPlan, RngSource, epoch_aware_part
-from .pool import Pool, describe_exit
+from .pool import Pool, WorkerProcess, describe_exit
 from .snapshot import Snapshot, capture_rng, restore_rng
 from .worker import (
     BATCH,
@@ -62,6 +62,12 @@ _LIKELY_CAUSE: Final = {
     "SIGBUS": "a native crash, often a truncated memory-mapped file or full /dev/shm",
     "SIGABRT": "a native abort, often a failed assertion in a C extension",
 }
+
+_NEVER_STARTED: Final = (
+    "it died before sending anything, which usually means it failed to start: its "
+    "stderr above says why; under spawn or forkserver the main module must be "
+    "importable and guard its code with if __name__ == '__main__'"
+)
 
 
 @dataclass(frozen=True)
@@ -181,8 +187,6 @@ class SnapIterator:
             return
         message = replay_message(self.loader.dataset, max(replays))
         if self.loader.replay == "refuse":
-            from .errors import ReplayRefusedError
-
             raise ReplayRefusedError(message + " (refused: the loader was built with replay='refuse')")
         if self.loader.replay == "warn":
             per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
@@ -300,10 +304,10 @@ class SnapIterator:
         while not state.received:
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             readable, exited = self.pool.wait(wait_s)
-            for ready in readable:
-                self._receive(ready)
-            for dead in exited:
-                self._on_death(dead)
+            for worker in readable:
+                self._receive(worker)
+            for worker in exited:
+                self._on_death(worker)
             if not state.received and deadline is not None and time.monotonic() >= deadline:
                 worker = self.pool.workers[slot]
                 pid = worker.pid if worker is not None else "?"
@@ -327,27 +331,28 @@ class SnapIterator:
             return
         state.received.append((task, result))
 
-    def _receive(self, slot: int) -> None:
+    def _receive(self, worker: WorkerProcess) -> None:
         assert self.pool is not None
-        worker = self.pool.workers[slot]
-        if worker is None:
+        if not self.pool.holds(worker):
             return
         try:
             while worker.result.poll():
-                self._accept(slot, worker.result.recv())
+                self._accept(worker.slot, worker.result.recv())
+                worker.messages += 1
         except Exception:
             # A torn message, or shared memory that can no longer be opened because
             # its sender died: never received. Treat the worker as dead.
-            self._on_death(slot)
+            self._on_death(worker)
 
-    def _on_death(self, slot: int) -> None:
+    def _on_death(self, worker: WorkerProcess) -> None:
         assert self.pool is not None
-        worker = self.pool.workers[slot]
-        if worker is None:
-            return
+        if not self.pool.holds(worker):
+            return  # already handled (seen both as a broken pipe and as a sentinel)
+        slot = worker.slot
         try:  # keep every complete result it sent before dying
             while worker.result.poll():
                 self._accept(slot, worker.result.recv())
+                worker.messages += 1
         except Exception:
             pass
         if worker.process.is_alive():
@@ -362,11 +367,13 @@ class SnapIterator:
         what = self._describe_batch(slot, batch)
         signal_name = how.rsplit(" ", 1)[-1]
         cause = _LIKELY_CAUSE.get(signal_name, "")
+        if not cause and worker.messages == 0 and (worker.process.exitcode or 0) > 0:
+            cause = _NEVER_STARTED
         cause_text = f" ({cause})" if cause else ""
         if self.crashes[key] > retries:
             self.close()
             raise WorkerCrashedError(
-                f"worker {slot} (pid {worker.pid}) was {how} while loading {what}"
+                f"worker {slot} (pid {worker.pid}) {how} while loading {what}"
                 f"{cause_text}, {self.crashes[key]} times in a row; gave up after "
                 f"{retries} respawn(s) (max_worker_retries={retries}). The batch likely "
                 "holds a sample that crashes the dataset code; state_dict() still "
@@ -379,11 +386,11 @@ class SnapIterator:
         new = self.pool.workers[slot]
         assert new is not None
         warnings.warn(
-            f"worker {slot} (pid {worker.pid}) was {how} while loading {what}{cause_text}; "
+            f"worker {slot} (pid {worker.pid}) {how} while loading {what}{cause_text}; "
             f"respawned as pid {new.pid} from its snapshot, retry {self.crashes[key]} of "
             f"{retries}",
-            RuntimeWarning,
-            stacklevel=5,
+            WorkerRespawnedWarning,
+            stacklevel=2,
         )
 
     def _describe_batch(self, slot: int, key: int | None) -> str:

@@ -46,14 +46,14 @@ def _widen_pipe(conn: Connection) -> None:
 
 
 def describe_exit(exitcode: int | None) -> str:
-    """'killed by SIGKILL' / 'exited with code 3' / 'still running'."""
+    """'was killed by SIGKILL' / 'exited with code 3' / 'is still running'."""
     if exitcode is None:
-        return "still running"
+        return "is still running"
     if exitcode < 0:
         try:
-            return f"killed by {signal.Signals(-exitcode).name}"
+            return f"was killed by {signal.Signals(-exitcode).name}"
         except ValueError:
-            return f"killed by signal {-exitcode}"
+            return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
 
 
@@ -63,6 +63,7 @@ class WorkerProcess:
     process: multiprocessing.process.BaseProcess
     task: Connection  # main's sending end
     result: Connection  # main's receiving end
+    messages: int = 0  # messages the main process has read from it
 
     @property
     def pid(self) -> int:
@@ -130,18 +131,23 @@ class Pool:
         self.workers[slot] = worker
         return worker
 
-    def wait(self, timeout_s: float | None) -> tuple[list[int], list[int]]:
+    def wait(self, timeout_s: float | None) -> tuple[list[WorkerProcess], list[WorkerProcess]]:
         """Block until a result pipe is readable or a process has exited, or
-        ``timeout_s`` passes. Returns (slots with results, slots whose process exited)."""
-        handles: dict[Any, tuple[int, bool]] = {}
+        ``timeout_s`` passes. Returns (workers with results, workers that exited); a
+        caller that replaces a worker must ignore the replaced one's later entries."""
+        handles: dict[Any, tuple[WorkerProcess, bool]] = {}
         for worker in self.workers:
             if worker is not None:
-                handles[worker.result] = (worker.slot, True)
-                handles[worker.process.sentinel] = (worker.slot, False)
+                handles[worker.result] = (worker, True)
+                handles[worker.process.sentinel] = (worker, False)
         ready = wait(list(handles), timeout_s)
-        readable = sorted({handles[h][0] for h in ready if handles[h][1]})
-        exited = sorted({handles[h][0] for h in ready if not handles[h][1]})
+        readable = [handles[h][0] for h in ready if handles[h][1]]
+        exited = [handles[h][0] for h in ready if not handles[h][1]]
         return readable, exited
+
+    def holds(self, worker: WorkerProcess) -> bool:
+        """True while ``worker`` is the live process of its slot."""
+        return self.workers[worker.slot] is worker
 
     def discard(self, slot: int) -> WorkerProcess:
         """Forget the (dead) process in ``slot`` and close its pipes."""

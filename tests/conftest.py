@@ -1,0 +1,61 @@
+"""Shared fixtures. Every test fails if it leaves a child process, a file descriptor or
+a /dev/shm entry behind (see ``no_leaks``)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+_SETTLE_S = 10.0
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+def _fds() -> set[int]:
+    return set(int(fd) for fd in os.listdir("/proc/self/fd"))
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test if it leaves worker processes, fds or /dev/shm entries behind."""
+    gc.collect()
+    children, fds, shm = _children(), _fds(), _shm()
+    yield
+    deadline = time.monotonic() + _SETTLE_S
+    while True:
+        gc.collect()
+        extra_children = _children() - children
+        extra_fds = _fds() - fds
+        extra_shm = _shm() - shm
+        if not (extra_children or extra_fds or extra_shm) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    problems = []
+    if extra_children:
+        problems.append(f"child processes left running: {sorted(extra_children)}")
+    if extra_fds:
+        targets = []
+        for fd in sorted(extra_fds):
+            try:
+                targets.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+            except OSError:
+                targets.append(str(fd))
+        problems.append(f"file descriptors left open: {targets}")
+    if extra_shm:
+        problems.append(f"/dev/shm entries left: {sorted(extra_shm)}")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
