@@ -1,0 +1,218 @@
+"""Datasets that crash on purpose, for ``test_faults.py``.
+
+They live in an importable module so that workers started by ``spawn`` and
+``forkserver`` can unpickle them by reference.
+
+A fault is described by :class:`Fault`: what happens (``kind``), at which sample
+(``item``), and whether it happens every time the sample is loaded (``marker`` is None:
+a poison sample) or only the first time (``marker`` is a file path: the first loader of
+the sample creates it and then faults; a respawned worker finds it and carries on).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+SEGV = "segv"
+EXIT = "exit"
+KILL = "kill"
+RAISE = "raise"
+LAMBDA = "lambda"
+SOCKET = "socket"
+# Return the sample, then SIGKILL ourselves from a background thread shortly after:
+# the batch (with a tensor in shared memory) may reach the main process just before or
+# while the worker dies.
+KILL_AFTER = "kill_after"
+DEATH_KINDS = (SEGV, EXIT, KILL)
+EXIT_CODE = 3
+
+
+class PoisonError(ValueError):
+    """Raised by a dataset for a sample it cannot load."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    item: int
+    marker: str | None = None  # None: every time (permanent)
+
+    def fires(self) -> bool:
+        if self.marker is None:
+            return True
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        return True
+
+    def apply(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """Called with ``sample`` for item ``self.item``; returns what to yield."""
+        if self.kind not in (LAMBDA, SOCKET) and not self.fires():
+            return sample
+        if self.kind == SEGV:
+            ctypes.string_at(0)
+        elif self.kind == EXIT:
+            os._exit(EXIT_CODE)
+        elif self.kind == KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+        elif self.kind == RAISE:
+            raise PoisonError(f"cannot load sample {self.item}")
+        elif self.kind == LAMBDA:
+            return {**sample, "bad": lambda: None}
+        elif self.kind == SOCKET:
+            return {**sample, "bad": _Unpicklable()}
+        elif self.kind == KILL_AFTER:
+            def kill_soon() -> None:
+                time.sleep(0.002)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            threading.Thread(target=kill_soon, daemon=True).start()
+        return sample
+
+
+class _Unpicklable:
+    """Holds an open socket; pickling it fails in the worker (the socket is closed
+    when the object is collected)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+
+    def __reduce__(self) -> Any:
+        self.sock.close()
+        raise TypeError("cannot pickle an object holding an open socket")
+
+    def __del__(self) -> None:
+        self.sock.close()
+
+
+def _sample(i: int) -> dict[str, Any]:
+    # Augmentations from all three global RNGs, so a respawned worker that did not
+    # restore its RNG state would change the stream.
+    return {
+        "index": torch.tensor(i),
+        "noise": torch.rand(3),
+        "np": torch.from_numpy(np.random.rand(2)),
+        "py": torch.tensor(random.random(), dtype=torch.float64),
+    }
+
+
+class MapFaults(Dataset[dict[str, Any]]):
+    """``n`` samples; sample ``fault.item`` faults (when a fault is given)."""
+
+    def __init__(self, n: int, fault: Fault | None = None) -> None:
+        self.n = n
+        self.fault = fault
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        sample = _sample(i)
+        if self.fault is not None and i == self.fault.item:
+            sample = self.fault.apply(sample)
+        return sample
+
+
+class IterFaults(IterableDataset[dict[str, Any]]):
+    """Samples ``0..n-1`` split round-robin over the workers; sample ``fault.item``
+    faults (when a fault is given). No state protocol: a respawn replays."""
+
+    def __init__(self, n: int, fault: Fault | None = None) -> None:
+        self.n = n
+        self.fault = fault
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            sample = _sample(i)
+            if self.fault is not None and i == self.fault.item:
+                sample = self.fault.apply(sample)
+            yield sample
+
+
+class _StatefulIterator:
+    def __init__(self, ds: IterFaultsStateful) -> None:
+        self.ds = ds
+        info = get_worker_info()
+        self.start, self.step = (0, 1) if info is None else (info.id, info.num_workers)
+        self.pos = self.start
+
+    def __iter__(self) -> _StatefulIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        i = self.pos
+        if i >= self.ds.n:
+            raise StopIteration
+        self.pos += self.step
+        sample = _sample(i)
+        fault = self.ds.fault
+        if fault is not None and i == fault.item:
+            sample = fault.apply(sample)
+        return sample
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pos = int(state["pos"])
+
+
+class IterFaultsStateful(IterableDataset[dict[str, Any]]):
+    """Like :class:`IterFaults`, but its iterator implements the state protocol, so a
+    respawned worker resumes from its snapshot without replaying."""
+
+    def __init__(self, n: int, fault: Fault | None = None) -> None:
+        self.n = n
+        self.fault = fault
+
+    def __iter__(self) -> _StatefulIterator:
+        return _StatefulIterator(self)
+
+
+class SlowMap(Dataset[dict[str, Any]]):
+    """Map-style samples that take ``delay_s`` each, so the main process is waiting
+    when a test kills a worker from outside."""
+
+    def __init__(self, n: int, delay_s: float) -> None:
+        self.n = n
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        time.sleep(self.delay_s)
+        return _sample(i)
+
+
+def run_loader_child(conn: Any, fork: bool) -> None:
+    """Target of a child process that owns a loader with workers: reports the worker
+    pids through ``conn`` and then waits to be killed."""
+    from snaploader import DataLoader
+
+    loader = DataLoader(
+        SlowMap(64, 0.01), batch_size=2, num_workers=2,
+        multiprocessing_context="fork" if fork else "spawn",
+    )
+    it = iter(loader)
+    next(it)
+    assert it.pool is not None
+    conn.send([w.pid for w in it.pool.workers if w is not None])
+    time.sleep(600)
