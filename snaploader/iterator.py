@@ -162,12 +162,16 @@ class SnapIterator:
             plan_skip=start.yielded,
             plan=plan,
         )
+        # Persistent workers still busy with an abandoned epoch would answer old tasks
+        # first; start them afresh from the ledger instead.
+        busy = any(slot.outstanding for slot in getattr(self, "slots", ()))
         self.plan = plan
         self.plan_done = plan is None
         self.dispatched = start.yielded
         self.slots = [_Slot() for _ in range(self.slots_count)]
         self._warn_or_refuse_replay()
-        fresh_workers = self.base_seed != base_seed or (self.pool is None and self.inline is None)
+        no_workers = self.pool is None and self.inline is None
+        fresh_workers = busy or no_workers or self.base_seed != base_seed
         if fresh_workers:
             self._stop_workers()
             self.base_seed = base_seed
