@@ -22,10 +22,13 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 import warnings
+import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, Final
 
 import cloudpickle
@@ -34,7 +37,7 @@ from torch.utils.data._utils import pin_memory as torch_pin_memory
 from torch.utils.data._utils import worker as torch_worker
 
 from .errors import ReplayRefusedError, WorkerCrashedError, WorkerRespawnedWarning
-from .ledger import EpochProgress, WorkerLedger, resume_from
+from .ledger import EpochProgress, WorkerLedger, replay_without_protocol, resume_from
 from .plan import IndexPlan, RngSource, epoch_aware_part
 from .pool import Pool, WorkerProcess, describe_exit
 from .snapshot import Snapshot, capture_rng, restore_rng
@@ -62,6 +65,13 @@ _LIKELY_CAUSE: Final = {
     "SIGBUS": "a native crash, often a truncated memory-mapped file or full /dev/shm",
     "SIGABRT": "a native abort, often a failed assertion in a C extension",
 }
+
+_COLLECT_TIMEOUT_S: Final = 5.0
+
+_CALLED_EXIT: Final = (
+    "the worker process called exit(): sys.exit() or os._exit() in dataset code, or "
+    "a library that gave up"
+)
 
 _NEVER_STARTED: Final = (
     "it died before sending anything, which usually means it failed to start: its "
@@ -93,6 +103,7 @@ class _Slot:
     received: deque[tuple[Task, Result]] = field(default_factory=deque)
     sent: int = 0  # iterable: tasks sent this epoch (the worker-local batch key)
     done: bool = False  # iterable: its "exhausted" reply arrived; send nothing more
+    failed: WorkerCrashedError | None = None  # raised when its next batch is due
 
 
 class SnapIterator:
@@ -109,11 +120,12 @@ class SnapIterator:
         self.rng_source = RngSource(loader.generator)
         self.pin = loader._pin_memory_active
         self.pool: Pool | None = None
+        self._pool_finalizer: weakref.finalize | None = None
         self.inline: WorkerRuntime | None = None
         self.inline_rng = b""
         self.base_seed: int | None = None
         self.closed = False
-        self.crashes: dict[tuple[int, int | None], int] = {}
+        self.crashes: dict[tuple[int, int, int | None], int] = {}  # (epoch, slot, batch)
         self.progress: EpochProgress
         self.start_epoch(start)
 
@@ -164,7 +176,7 @@ class SnapIterator:
         )
         # Persistent workers still busy with an abandoned epoch would answer old tasks
         # first; start them afresh from the ledger instead.
-        busy = any(slot.outstanding for slot in getattr(self, "slots", ()))
+        busy = any(slot.outstanding or slot.failed for slot in getattr(self, "slots", ()))
         self.plan = plan
         self.plan_done = plan is None
         self.dispatched = start.yielded
@@ -184,17 +196,18 @@ class SnapIterator:
         self._dispatch()
 
     def _warn_or_refuse_replay(self) -> None:
-        replays = [
-            self._resume_message(slot).replay for slot in range(self.slots_count)
-        ]
+        # Once per restore: only a restored epoch start has workers mid-epoch. A refusal
+        # normally comes earlier, from load_state_dict.
+        replays = [replay_without_protocol(ledger) for ledger in self.progress.workers]
         if not any(replays):
             return
-        message = replay_message(self.loader.dataset, max(replays))
-        if self.loader.replay == "refuse":
-            raise ReplayRefusedError(message + " (refused: the loader was built with replay='refuse')")
+        refused = self.loader.replay == "refuse"
+        message = replay_message(self.loader.dataset, replays, refused=refused)
+        if refused:
+            raise ReplayRefusedError(message)
         if self.loader.replay == "warn":
-            per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
-            warnings.warn(f"{message} [{per_worker}]", stacklevel=4)
+            # stack: here, start_epoch, SnapIterator.__init__, DataLoader.__iter__, user
+            warnings.warn(message, UserWarning, stacklevel=5)
 
     def _setup(self) -> WorkerSetup:
         loader = self.loader
@@ -214,6 +227,10 @@ class SnapIterator:
     def _start_workers(self) -> None:
         setup = self._setup()
         if self.num_workers == 0:
+            # NOTE [ collate in the main process ]: torch's default_collate allocates its
+            # output in shared memory whenever get_worker_info() answers; here that would
+            # hold an fd and /dev/shm space per live batch, so collate runs without it.
+            setup = replace(setup, collate_fn=_collate_outside_worker(setup.collate_fn))
             self.inline = WorkerRuntime(setup, 0, copy_state=True)
             self._inline_call(self.inline.initialize)
         else:
@@ -222,6 +239,12 @@ class SnapIterator:
             if context.get_start_method() != "fork":
                 payload = cloudpickle.dumps(setup)
             self.pool = Pool(context, self.num_workers, worker_main, lambda slot: (payload, slot))
+            # NOTE [ shutdown under gc ]: a persistent iterator and its loader form a
+            # cycle. The cyclic gc may run the pipes' own __del__ (which closes their fds
+            # but keeps the numbers) before ours, and our close() would then close fd
+            # numbers that may be reused already. Weakref callbacks run before any
+            # __del__, so the pool is shut down from one.
+            self._pool_finalizer = weakref.finalize(self, self.pool.shutdown)
             for slot in range(self.num_workers):
                 self.pool.start(slot)
         for slot in range(self.slots_count):
@@ -243,6 +266,8 @@ class SnapIterator:
 
     def _send(self, slot: int, msg: Resume | Task) -> None:
         if isinstance(msg, Task):
+            if self.slots[slot].failed is not None:
+                return  # after a poison batch: the iterator raises before this is due
             self.slots[slot].outstanding.append(msg)
         self._transmit(slot, msg)
 
@@ -255,14 +280,17 @@ class SnapIterator:
         worker = self.pool.workers[slot]
         assert worker is not None
         try:
-            worker.send(msg)
+            # A tensor in a dataset's state would travel through shared memory, and
+            # sending one starts multiprocessing's resource sharer (a listener thread
+            # and socket) in this process for good. A Resume is rare: send it by value.
+            worker.send(pickle.dumps(msg) if isinstance(msg, Resume) else msg)
         except OSError:
             pass  # it died; the receiver sees its sentinel and re-sends what is outstanding
 
     def _dispatch(self) -> None:
         if self.iterable:
             for slot, state in enumerate(self.slots):
-                if self.progress.workers[slot].exhausted:
+                if self.progress.workers[slot].exhausted or state.failed is not None:
                     continue
                 while not state.done and len(state.outstanding) < self.prefetch:
                     self._send(slot, Task(state.sent, None))
@@ -306,6 +334,9 @@ class SnapIterator:
         assert self.pool is not None
         deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
         while not state.received:
+            if state.failed is not None and not state.outstanding:
+                self.close()
+                raise state.failed
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             readable, exited = self.pool.wait(wait_s)
             for worker in readable:
@@ -313,8 +344,8 @@ class SnapIterator:
             for worker in exited:
                 self._on_death(worker)
             if not state.received and deadline is not None and time.monotonic() >= deadline:
-                worker = self.pool.workers[slot]
-                pid = worker.pid if worker is not None else "?"
+                waited = self.pool.workers[slot]
+                pid = waited.pid if waited is not None else "?"
                 raise RuntimeError(
                     f"DataLoader timed out after {self.loader.timeout} seconds waiting for "
                     f"worker {slot} (pid {pid}) to produce batch "
@@ -339,56 +370,88 @@ class SnapIterator:
         assert self.pool is not None
         if not self.pool.holds(worker):
             return
+        lost = self._drain(worker, 0)
+        if lost:
+            self._on_death(worker, lost)
+
+    def _drain(self, worker: WorkerProcess, lost: int) -> int:
+        """Accept, in order, every complete result waiting in ``worker``'s pipe; return
+        how many could not be read (``lost`` of them before this call). A result whose
+        shared memory can no longer be opened because its sender died counts as never
+        received, and so does every result after it: results are accepted in the order
+        they were sent or not at all."""
         try:
             while worker.result.poll():
-                self._accept(worker.slot, worker.result.recv())
+                blob = worker.result.recv_bytes()
                 worker.messages += 1
-        except Exception:
-            # A torn message, or shared memory that can no longer be opened because
-            # its sender died: never received. Treat the worker as dead.
-            self._on_death(worker)
+                if lost:
+                    lost += 1
+                    continue
+                try:
+                    result = ForkingPickler.loads(blob)
+                except Exception:
+                    lost += 1
+                    continue
+                self._accept(worker.slot, result)
+        except (EOFError, OSError):
+            pass  # a torn last message: it died while sending; its sentinel tells
+        return lost
 
-    def _on_death(self, worker: WorkerProcess) -> None:
+    def _on_death(self, worker: WorkerProcess, lost: int = 0) -> None:
         assert self.pool is not None
         if not self.pool.holds(worker):
             return  # already handled (seen both as a broken pipe and as a sentinel)
         slot = worker.slot
-        try:  # keep every complete result it sent before dying
-            while worker.result.poll():
-                self._accept(slot, worker.result.recv())
-                worker.messages += 1
-        except Exception:
-            pass
+        lost = self._drain(worker, lost)  # keep every complete result it sent
         if worker.process.is_alive():
             worker.process.kill()
         self.pool.discard(slot)
         how = describe_exit(worker.process.exitcode)
         state = self.slots[slot]
-        batch = state.outstanding[0].key if state.outstanding else None
-        key = (slot, batch)
+        # It answers in order: it answered the first ``lost`` outstanding tasks (the
+        # answers were lost) and died on the next one, or idle.
+        task = state.outstanding[lost] if len(state.outstanding) > lost else None
+        batch = None if task is None else task.key
+        key = (self.progress.epoch, slot, batch)
         self.crashes[key] = self.crashes.get(key, 0) + 1
         retries = self.loader.max_worker_retries
-        what = self._describe_batch(slot, batch)
+        what = self._describe_batch(task)
         signal_name = how.rsplit(" ", 1)[-1]
         cause = _LIKELY_CAUSE.get(signal_name, "")
-        if not cause and worker.messages == 0 and (worker.process.exitcode or 0) > 0:
-            cause = _NEVER_STARTED
+        exitcode = worker.process.exitcode or 0
+        if not cause and exitcode >= 0:
+            cause = _CALLED_EXIT
+            if worker.messages == 0 and exitcode > 0:
+                cause = f"{cause}; or {_NEVER_STARTED}"
         cause_text = f" ({cause})" if cause else ""
         if self.crashes[key] > retries:
-            self.close()
-            raise WorkerCrashedError(
+            error = WorkerCrashedError(
                 f"worker {slot} (pid {worker.pid}) {how} while loading {what}"
                 f"{cause_text}, {self.crashes[key]} times in a row; gave up after "
                 f"{retries} respawn(s) (max_worker_retries={retries}). The batch likely "
                 "holds a sample that crashes the dataset code; state_dict() still "
                 "resumes at this batch"
             )
+            if task is None:
+                self.close()
+                raise error
+            # NOTE [ poison batch ]: raise when the failed batch is due (_await), not
+            # now, so that every batch before it is still yielded and state_dict() then
+            # points at it. Only the tasks before it are produced again, by a new
+            # process, because their results may have been lost with this one.
+            state.failed = error
+            while len(state.outstanding) > lost:
+                state.outstanding.pop()
+            if not state.outstanding:
+                return
         self.pool.start(slot)
         self._transmit(slot, self._resume_message(slot, received=True))
         for task in state.outstanding:
             self._transmit(slot, task)
         new = self.pool.workers[slot]
         assert new is not None
+        if state.failed is not None:
+            return
         warnings.warn(
             f"worker {slot} (pid {worker.pid}) {how} while loading {what}{cause_text}; "
             f"respawned as pid {new.pid} from its snapshot, retry {self.crashes[key]} of "
@@ -397,14 +460,13 @@ class SnapIterator:
             stacklevel=2,
         )
 
-    def _describe_batch(self, slot: int, key: int | None) -> str:
+    def _describe_batch(self, task: Task | None) -> str:
         epoch = self.progress.epoch
-        if key is None:
+        if task is None:
             return f"nothing (idle) in epoch {epoch}"
         if self.iterable:
-            return f"its batch {key} of epoch {epoch}"
-        task = self.slots[slot].outstanding[0]
-        return f"batch {key} of epoch {epoch} (sample indices {_short(task.indices)})"
+            return f"its batch {task.key} of epoch {epoch}"
+        return f"batch {task.key} of epoch {epoch} (sample indices {_short(task.indices)})"
 
     # -- yielding ------------------------------------------------------------------
 
@@ -441,10 +503,13 @@ class SnapIterator:
             return self._await(self._last_slot)
         while not all(ledger.exhausted for ledger in progress.workers):
             slot = progress.turn
-            progress.turn = (slot + 1) % self.slots_count
             if progress.workers[slot].exhausted:
+                progress.turn = (slot + 1) % self.slots_count
                 continue
             task, result = self._await(slot)
+            # Only now: when _await raises (a poison batch, a timeout), state_dict()
+            # must still resume at this worker's turn.
+            progress.turn = (slot + 1) % self.slots_count
             if result.kind == EXHAUSTED:
                 progress.workers[slot].record(result.snapshot)
                 continue
@@ -467,11 +532,32 @@ class SnapIterator:
         self.progress.ended = True
         if not self.persistent:
             self.close()
+        else:
+            self._collect_replies()
+
+    def _collect_replies(self) -> None:
+        """Take the replies to tasks an iterable's workers were sent ahead of their end
+        (each is an instant "exhausted"), so that persistent workers begin the next
+        epoch idle instead of being restarted as busy (see start_epoch)."""
+        if self.pool is None:
+            return
+        deadline = time.monotonic() + _COLLECT_TIMEOUT_S
+        while any(state.outstanding for state in self.slots):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                return  # start_epoch restarts them from the ledger: slower, still exact
+            readable, exited = self.pool.wait(left_s)
+            for worker in readable:
+                self._receive(worker)
+            for worker in exited:
+                self._on_death(worker)
 
     # -- state and shutdown --------------------------------------------------------
 
     def _stop_workers(self) -> None:
         if self.pool is not None:
+            if self._pool_finalizer is not None:
+                self._pool_finalizer.detach()
             self.pool.shutdown()
             self.pool = None
         self.inline = None
@@ -487,6 +573,18 @@ class SnapIterator:
             self.close()
         except Exception:
             pass
+
+
+def _collate_outside_worker(collate_fn: Any) -> Any:
+    def collate(batch: Any) -> Any:
+        info = torch_worker._worker_info
+        set_worker_info(None)
+        try:
+            return collate_fn(batch)
+        finally:
+            set_worker_info(info)
+
+    return collate
 
 
 def _short(indices: Any, limit: int = 16) -> str:

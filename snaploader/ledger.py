@@ -76,17 +76,30 @@ def resume_from(
 
     ``at_complete`` is the newest complete snapshot at or before ``at``. An iterable
     without a state protocol, or one snapshotted every N batches, is replayed from it
-    (or from the epoch start) up to ``at``.
+    (or from the epoch start) up to ``at``; unless ``at`` follows the worker's last
+    batch of the epoch: then only its RNG states matter, and nothing is replayed.
     """
     if at is None:
         return Resume(epoch_start, 0, 0, None, new_epoch=True)
     if at.complete:
-        return Resume(at, at.produced, 0, None, new_epoch=False)
+        return Resume(at, at.produced, 0, None, new_epoch=False, exhausted=at.exhausted)
+    if at.exhausted:
+        return Resume(epoch_start, at.produced, 0, at.rng, new_epoch=True, exhausted=True)
     if at_complete is not None:
         return Resume(
             at_complete, at_complete.produced, at.produced - at_complete.produced, at.rng, False
         )
     return Resume(epoch_start, 0, at.produced, at.rng, new_epoch=True)
+
+
+def replay_without_protocol(ledger: WorkerLedger) -> int:
+    """Batches a restored worker must read again from the epoch start because its
+    iterable has no state protocol (0 when it has one: snapshot_every's replay from a
+    recent snapshot is by choice and bounded)."""
+    at = ledger.yielded
+    if at is None or at.data_owner is not None:
+        return 0
+    return resume_from(ledger.epoch_start, at, ledger.yielded_complete).replay
 
 
 @dataclass

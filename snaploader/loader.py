@@ -11,10 +11,12 @@ from typing import Any, Final
 import torch
 import torch.utils.data as torch_data
 
+from .errors import ReplayRefusedError
 from .iterator import EpochStart, SnapIterator
-from .ledger import EpochProgress, WorkerLedger
+from .ledger import EpochProgress, WorkerLedger, replay_without_protocol
 from .plan import RngSource
 from .state import FORMAT, VERSION, Fingerprint, check_fingerprint, validate
+from .worker import replay_message
 
 _REPLAY_MODES: Final = ("warn", "allow", "refuse")
 
@@ -242,7 +244,9 @@ class DataLoader(torch_data.DataLoader):
 
         Raises :class:`~snaploader.CheckpointFormatError` for a malformed ``state`` and
         :class:`~snaploader.CheckpointMismatchError` when it was taken from a loader
-        built differently, unless the differing names are in ``allow_mismatch``.
+        built differently, unless the differing names are in ``allow_mismatch``; and
+        :class:`~snaploader.ReplayRefusedError` when the loader was built with
+        ``replay="refuse"`` and resuming needs a replay from the epoch start.
         """
         validate(state)
         allowed = frozenset(allow_mismatch)
@@ -250,6 +254,11 @@ class DataLoader(torch_data.DataLoader):
         ledgers = [WorkerLedger.from_plain(plain) for plain in state["workers"]]
         if len(ledgers) != max(1, self.num_workers):
             ledgers = []  # num_workers differs (allowed): workers start freshly seeded
+        if self.replay == "refuse" and not state["ended"]:
+            # Refuse now, while the caller can still act, not at the next iter().
+            replays = [replay_without_protocol(ledger) for ledger in ledgers]
+            if any(replays):
+                raise ReplayRefusedError(replay_message(self.dataset, replays, refused=True))
         if self._persistent_iter is not None:
             self._persistent_iter.close()
             self._persistent_iter = None

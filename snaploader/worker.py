@@ -3,8 +3,9 @@
 Protocol (one task pipe in, one result pipe out, per worker; see ``pool.py``):
 
 - main -> worker: a :class:`Resume` first in every epoch (and first of all after a
-  respawn), then :class:`Task` messages, then ``None`` to stop. Tasks are answered in
-  the order they were sent, one :class:`Result` each.
+  respawn; pickled to bytes, so a tensor in it travels by value), then :class:`Task`
+  messages, then ``None`` to stop. Tasks are answered in the order they were sent, one
+  :class:`Result` each.
 - worker -> main: a :class:`Result` carries the batch (or the worker's exception, or the
   news that an iterable dataset ran dry) and the :class:`~snaploader.snapshot.Snapshot`
   taken right after it. Tensors go through shared memory (torch's reductions on
@@ -68,13 +69,16 @@ class Resume:
     i.e. the fresh seed state or, for persistent workers, where the last epoch left it),
     set the epoch position to ``base_produced``, replay ``replay`` batches, and finally
     set the RNGs to ``final_rng`` when given. ``new_epoch`` says that ``base`` is the
-    state at an epoch start, so an iterator-level state in it belongs to the last epoch."""
+    state at an epoch start, so an iterator-level state in it belongs to the last epoch.
+    ``exhausted``: the worker has produced its last batch of the epoch (nothing is
+    replayed then; it answers every task with "exhausted")."""
 
     base: Snapshot | None
     base_produced: int
     replay: int
     final_rng: bytes | None
     new_epoch: bool
+    exhausted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +165,14 @@ class WorkerRuntime:
         self.dataset = setup.dataset
         # In the main process a state_dict() may alias live objects; copy it there.
         self.copy_state = copy_state
+        if copy_state and setup.iterable:
+            # A worker process iterates its own copy of the dataset, fresh each epoch;
+            # so does num_workers=0, or an iterable that changes its own attributes
+            # would carry them into the next epoch, which no checkpoint records.
+            try:
+                self.dataset = copy.deepcopy(setup.dataset)
+            except Exception:
+                pass  # uncopyable (a lock, a socket): iterate it in place, as torch does
         self.info: torch_worker.WorkerInfo | None = None
         self.pending_error: WorkerError | None = None
         self.iterator: Iterator[Any] | None = None
@@ -191,23 +203,33 @@ class WorkerRuntime:
         base = msg.base
         self.ended = self.exhausted = False
         self.checked_plain = False
+        # iter(dataset) may draw from the global RNGs (a shuffle seed, say). Mid-epoch,
+        # that draw happened before ``base`` was taken, so the RNGs are restored after
+        # the iterator is made; at an epoch start it comes after ``base``, so before.
+        mid_epoch = None if msg.new_epoch else base
         if base is not None:
-            restore_rng(base.rng)
-            if base.data_owner == "dataset":
+            if mid_epoch is None:
+                restore_rng(base.rng)
+            if base.data_owner == "dataset" and base.complete:
                 self.dataset.load_state_dict(self._copied(base.data))
         self.produced = msg.base_produced
         if self.setup.iterable:
             try:
                 self.iterator = iter(self.dataset)
-                if base is not None and not msg.new_epoch and base.data_owner == "iterator":
-                    self.iterator.load_state_dict(self._copied(base.data))  # type: ignore[union-attr]
+                if mid_epoch is not None and mid_epoch.data_owner == "iterator" and mid_epoch.complete:
+                    self.iterator.load_state_dict(self._copied(mid_epoch.data))  # type: ignore[attr-defined]
             except Exception as exc:
                 self.pending_error = WorkerError.capture(exc)
                 self.iterator = iter(())
+        if mid_epoch is not None:
+            restore_rng(mid_epoch.rng)
+        if self.setup.iterable:
             for _ in range(msg.replay):
                 self._replay_one()
         if msg.final_rng is not None:
             restore_rng(msg.final_rng)
+        if msg.exhausted:
+            self.exhausted = True
 
     def _replay_one(self) -> None:
         try:
@@ -241,7 +263,14 @@ class WorkerRuntime:
             except Exception as exc:
                 kind, payload = ERROR, WorkerError.capture(exc)
         self.produced += 1
-        return Result(task.key, kind, payload, self.snapshot())
+        try:
+            snapshot = self.snapshot()
+        except Exception as exc:
+            # A state_dict() that raises or returns non-plain data is the user's error:
+            # report it like one raised in __getitem__, not as a worker crash.
+            bare = Snapshot(capture_rng(), self.produced, complete=not self.setup.iterable)
+            return Result(task.key, ERROR, WorkerError.capture(exc), bare)
+        return Result(task.key, kind, payload, snapshot)
 
     def _fetch_map(self, indices: Any) -> Any:
         setup = self.setup
@@ -284,30 +313,50 @@ class WorkerRuntime:
             owner = "iterator"
         elif has_state_protocol(self.dataset):
             owner = "dataset"
+        # A batch cut short by the end of the iterator is the worker's last: torch's
+        # fetcher never calls next() again after that, so neither may a restored worker.
+        exhausted = self.exhausted or self.ended
         if setup.iterable:
-            due = self.exhausted or self.produced % setup.state_every == 0
+            due = exhausted or self.produced % setup.state_every == 0
             if owner is None or not due:
-                return Snapshot(rng, self.produced, complete=False, exhausted=self.exhausted)
+                # data_owner without data: a replay from an earlier snapshot of a
+                # stateful dataset (snapshot_every > 1), not one for want of the protocol
+                return Snapshot(rng, self.produced, None, owner, complete=False, exhausted=exhausted)
         if owner is None:
             return Snapshot(rng, self.produced)
         source = self.iterator if owner == "iterator" else self.dataset
         data = source.state_dict()  # type: ignore[union-attr]
         if not self.checked_plain:
-            check_plain(data, f"{owner} state_dict() in worker {self.worker_id}")
+            check_plain(data, f"{type(source).__qualname__}.state_dict()")
             self.checked_plain = True
-        return Snapshot(rng, self.produced, self._copied(data), owner, True, self.exhausted)
+        return Snapshot(rng, self.produced, self._copied(data), owner, True, exhausted)
 
     def _copied(self, data: Any) -> Any:
         return copy.deepcopy(data) if self.copy_state else data
 
 
-def replay_message(dataset: Any, batches: int) -> str:
+def replay_message(dataset: Any, replays: list[int], *, refused: bool) -> str:
+    """Why a resume of ``dataset`` replays ``replays[w]`` batches in worker ``w``, and
+    how to avoid it; for the warning (``refused=False``) or ReplayRefusedError."""
+    name = type(dataset).__qualname__
+    per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
+    what = (
+        f"an exact resume of {name} replays {sum(replays)} batch(es) from the epoch "
+        f"start, reading and discarding them ({per_worker}), because neither {name} nor "
+        "the iterator iter(dataset) returns has state_dict()/load_state_dict()"
+    )
+    fix = (
+        "implement state_dict()/load_state_dict() returning plain data on the iterator "
+        "or the dataset to resume without reading skipped data (docs/iterable.md)"
+    )
+    if refused:
+        return (
+            f"{what}, and the loader was built with replay='refuse'. To resume, {fix}, "
+            "or build the loader with replay='warn' or replay='allow'"
+        )
     return (
-        f"{type(dataset).__qualname__} has no state_dict()/load_state_dict() on the "
-        f"dataset or on the iterator iter(dataset) returns, so an exact resume replays "
-        f"{batches} batch(es) per worker from the epoch start, reading and discarding "
-        "them; implement state_dict()/load_state_dict() on the iterator to resume "
-        "without reading skipped data"
+        f"{what}. To avoid it, {fix}; replay='allow' silences this warning, "
+        "replay='refuse' raises ReplayRefusedError instead"
     )
 
 
@@ -339,6 +388,9 @@ def worker_main(
     assert isinstance(setup, WorkerSetup)
     runtime = WorkerRuntime(setup, worker_id, copy_state=False)
     runtime.initialize()
+    # Under forkserver our parent process is the fork server, not the main process
+    # (parent_pid): the watchdog checks that neither has gone.
+    spawner_pid = os.getppid()
     parent = psutil.Process(parent_pid)
     pending: deque[Any] = deque()
 
@@ -358,7 +410,7 @@ def worker_main(
             except (EOFError, OSError):
                 return
             if not ready:
-                if os.getppid() != parent_pid or not parent.is_running():
+                if os.getppid() != spawner_pid or not parent.is_running():
                     return
                 continue
         if not drain() and not pending:
@@ -366,6 +418,8 @@ def worker_main(
         msg = pending.popleft()
         if msg is None:
             return
+        if isinstance(msg, bytes):
+            msg = pickle.loads(msg)  # a Resume, sent by value (iterator.py _transmit)
         if isinstance(msg, Resume):
             runtime.resume(msg)
             continue

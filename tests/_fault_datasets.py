@@ -15,7 +15,6 @@ import ctypes
 import os
 import random
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -23,14 +22,14 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
 SEGV = "segv"
 EXIT = "exit"
 KILL = "kill"
 RAISE = "raise"
-LAMBDA = "lambda"
-SOCKET = "socket"
+LAMBDA = "lambda"  # the batch holds a lambda: it cannot be pickled
+GENERATOR = "generator"  # the batch holds a generator object: it cannot be pickled
 # Return the sample, then SIGKILL ourselves from a background thread shortly after:
 # the batch (with a tensor in shared memory) may reach the main process just before or
 # while the worker dies.
@@ -56,12 +55,15 @@ class Fault:
             fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        info = get_worker_info()
+        # The test reads back which process and worker slot faulted.
+        os.write(fd, f"{os.getpid()} {-1 if info is None else info.id}".encode())
         os.close(fd)
         return True
 
     def apply(self, sample: dict[str, Any]) -> dict[str, Any]:
         """Called with ``sample`` for item ``self.item``; returns what to yield."""
-        if self.kind not in (LAMBDA, SOCKET) and not self.fires():
+        if self.kind not in (LAMBDA, GENERATOR) and not self.fires():
             return sample
         if self.kind == SEGV:
             ctypes.string_at(0)
@@ -74,8 +76,8 @@ class Fault:
             raise PoisonError(f"cannot load sample {self.item}")
         elif self.kind == LAMBDA:
             return {**sample, "bad": lambda: None}
-        elif self.kind == SOCKET:
-            return {**sample, "bad": _Unpicklable()}
+        elif self.kind == GENERATOR:
+            return {**sample, "bad": (x for x in range(3))}
         elif self.kind == KILL_AFTER:
             def kill_soon() -> None:
                 time.sleep(0.002)
@@ -85,19 +87,14 @@ class Fault:
         return sample
 
 
-class _Unpicklable:
-    """Holds an open socket; pickling it fails in the worker (the socket is closed
-    when the object is collected)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-
-    def __reduce__(self) -> Any:
-        self.sock.close()
-        raise TypeError("cannot pickle an object holding an open socket")
-
-    def __del__(self) -> None:
-        self.sock.close()
+def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """torch's default_collate, except that an unpicklable "bad" entry is passed
+    through as a list (so that it reaches the pickler rather than failing collation)."""
+    out = default_collate([{k: v for k, v in s.items() if k != "bad"} for s in samples])
+    bad = [s["bad"] for s in samples if "bad" in s]
+    if bad:
+        out["bad"] = bad
+    return out
 
 
 def _sample(i: int) -> dict[str, Any]:
@@ -186,20 +183,45 @@ class IterFaultsStateful(IterableDataset[dict[str, Any]]):
         return _StatefulIterator(self)
 
 
-class SlowMap(Dataset[dict[str, Any]]):
-    """Map-style samples that take ``delay_s`` each, so the main process is waiting
-    when a test kills a worker from outside."""
+def wait_for(path: str | None, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while path is not None and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
-    def __init__(self, n: int, delay_s: float) -> None:
+
+class GatedMap(Dataset[dict[str, Any]]):
+    """Map-style samples; loading sample ``gate_item`` blocks until the file ``gate``
+    exists, so a test knows the main process is waiting for that sample's batch."""
+
+    def __init__(self, n: int, gate_item: int = -1, gate: str | None = None) -> None:
         self.n = n
-        self.delay_s = delay_s
+        self.gate_item = gate_item
+        self.gate = gate
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        time.sleep(self.delay_s)
+        if i == self.gate_item:
+            wait_for(self.gate)
         return _sample(i)
+
+
+class GatedIter(IterableDataset[dict[str, Any]]):
+    """Like :class:`IterFaults` without faults, with the gate of :class:`GatedMap`."""
+
+    def __init__(self, n: int, gate_item: int = -1, gate: str | None = None) -> None:
+        self.n = n
+        self.gate_item = gate_item
+        self.gate = gate
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            if i == self.gate_item:
+                wait_for(self.gate)
+            yield _sample(i)
 
 
 def run_loader_child(conn: Any, fork: bool) -> None:
@@ -208,7 +230,7 @@ def run_loader_child(conn: Any, fork: bool) -> None:
     from snaploader import DataLoader
 
     loader = DataLoader(
-        SlowMap(64, 0.01), batch_size=2, num_workers=2,
+        GatedMap(64), batch_size=2, num_workers=2,
         multiprocessing_context="fork" if fork else "spawn",
     )
     it = iter(loader)

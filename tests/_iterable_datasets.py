@@ -1,4 +1,4 @@
-"""Iterable datasets for ``test_iterable.py`` and ``stress/iterable_cost.py``.
+"""Iterable datasets for ``test_iterable.py``.
 
 They live in an importable module so that workers started by ``spawn`` and
 ``forkserver`` (and the fresh child process of ``_iterable_child.py``) can unpickle
@@ -15,6 +15,7 @@ multiple of the worker count) or ``sizes[worker]`` items for worker ``worker``
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,6 +51,24 @@ class PlainStream(IterableDataset[torch.Tensor]):
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for i in shard(self.n, self.sizes):
+            yield sample(i)
+
+
+class SlowWorkerStream(IterableDataset[torch.Tensor]):
+    """:class:`PlainStream` with unequal shards in which worker ``slow`` sleeps
+    ``delay_s`` before every sample: the order of the stream must not notice."""
+
+    def __init__(self, sizes: tuple[int, ...], slow: int, delay_s: float) -> None:
+        self.sizes = sizes
+        self.slow = slow
+        self.delay_s = delay_s
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        slow = info is not None and info.id == self.slow
+        for i in shard(None, self.sizes):
+            if slow:
+                time.sleep(self.delay_s)
             yield sample(i)
 
 
@@ -180,74 +199,59 @@ class BadStateStream(IterableDataset[torch.Tensor]):
 
 
 class _ShuffleBufferIterator:
-    """A shuffle buffer of ``buffer_size`` items over an endless-looking source, with
-    its own RNG; its state is the whole buffer, the source position and the RNG."""
+    """A shuffle buffer over the worker's shard, with its own ``random.Random``; its
+    state is the whole buffer (a tensor, or a list with ``as_tensor=False``), the
+    source position and the RNG's state."""
 
-    def __init__(self, n: int, buffer_size: int, as_tensor: bool) -> None:
+    def __init__(self, ids: list[int], buffer_size: int, as_tensor: bool) -> None:
         info = get_worker_info()
-        seed = 0 if info is None else info.seed
-        self.rng = random.Random(seed)
-        self.n = n
+        self.rng = random.Random(0 if info is None else info.seed)
+        self.ids = ids
         self.as_tensor = as_tensor
-        self.source = 0
-        self.buffer: list[int] = []
-        while len(self.buffer) < buffer_size and self.source < n:
-            self.buffer.append(self.source)
-            self.source += 1
-        self.emitted = 0
+        self.source = min(buffer_size, len(ids))
+        self.buffer = ids[: self.source]
 
     def __iter__(self) -> _ShuffleBufferIterator:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> torch.Tensor:
         if not self.buffer:
             raise StopIteration
         j = self.rng.randrange(len(self.buffer))
         item = self.buffer[j]
-        if self.source < self.n:
-            self.buffer[j] = self.source
+        if self.source < len(self.ids):
+            self.buffer[j] = self.ids[self.source]
             self.source += 1
         else:
             self.buffer[j] = self.buffer[-1]
             self.buffer.pop()
-        self.emitted += 1
-        return item
+        return sample(item)
 
     def state_dict(self) -> dict[str, Any]:
         buffer: Any = torch.tensor(self.buffer, dtype=torch.int64) if self.as_tensor else list(self.buffer)
-        rng_version, rng_words, rng_gauss = self.rng.getstate()
-        return {
-            "source": self.source,
-            "emitted": self.emitted,
-            "buffer": buffer,
-            "rng": [rng_version, list(rng_words), rng_gauss],
-        }
+        version, words, gauss = self.rng.getstate()
+        return {"source": self.source, "buffer": buffer, "rng": [version, list(words), gauss]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.source = int(state["source"])
-        self.emitted = int(state["emitted"])
         buffer = state["buffer"]
         self.buffer = buffer.tolist() if isinstance(buffer, torch.Tensor) else list(buffer)
         version, words, gauss = state["rng"]
         self.rng.setstate((version, tuple(words), gauss))
 
 
-class ShuffleBufferStream(IterableDataset[int]):
-    """``n`` items through a ``buffer_size`` shuffle buffer; with ``stateful=False``
-    the same stream without the state protocol (resume replays)."""
+class ShuffleBufferStream(IterableDataset[torch.Tensor]):
+    """Each worker's shard through a ``buffer_size`` shuffle buffer whose state holds
+    a tensor (``as_tensor``): tensors in a state travel through shared memory."""
 
-    def __init__(self, n: int, buffer_size: int, *, stateful: bool = True, as_tensor: bool = False) -> None:
+    def __init__(
+        self, n: int | None = None, sizes: tuple[int, ...] | None = None,
+        buffer_size: int = 4, as_tensor: bool = True,
+    ) -> None:
         self.n = n
+        self.sizes = sizes
         self.buffer_size = buffer_size
-        self.stateful = stateful
         self.as_tensor = as_tensor
 
-    def __iter__(self) -> Iterator[Any]:
-        it = _ShuffleBufferIterator(self.n, self.buffer_size, self.as_tensor)
-        if self.stateful:
-            return it
-        return _no_protocol(it)
-
-
-def _no_protocol(it: Iterator[Any]) -> Iterator[Any]:
-    yield from it
+    def __iter__(self) -> _ShuffleBufferIterator:
+        return _ShuffleBufferIterator(shard(self.n, self.sizes), self.buffer_size, self.as_tensor)

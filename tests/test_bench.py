@@ -1,0 +1,143 @@
+"""stress/bench.py on tiny settings: every measurement runs and the outputs have the
+expected shape. No timing is asserted here; the benchmark reports targets, never
+fails on them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH_PATH = Path(__file__).resolve().parents[1] / "stress" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("snaploader_bench", BENCH_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up
+    spec.loader.exec_module(module)
+    _warm_up_matplotlib(module, tmp_path_factory.mktemp("warm-up"))
+    return module
+
+
+def _warm_up_matplotlib(bench: ModuleType, tmp: Path) -> None:
+    """matplotlib keeps the font files it has drawn with open; draw the benchmark's
+    plot once (linear and log panels) before the leak check's baseline, so that they
+    are not counted as a leak of the benchmark."""
+    def runs(bps: float) -> dict[str, Any]:
+        return {"throughput_bps": bps, "runs": [{"throughput_bps": bps}]}
+
+    report = {
+        "meta": {"cpus": 2},
+        "config": {"contenders": ["torch"]},
+        "contenders": {"torch": {"skipped": None}},
+        "workloads": {
+            "tiny": {"by_workers": {"0": {"torch": runs(5000.0)}, "2": {"torch": runs(50.0)}}},
+            "sleep": {"by_workers": {"0": {"torch": runs(90.0)}, "2": {"torch": runs(180.0)}}},
+        },
+    }
+    bench.plot_throughput(report, tmp / "warm-up.png")
+
+
+def tiny_config(bench: ModuleType) -> Any:
+    return bench.Config(
+        mode="test",
+        workers=(0, 1),
+        repeats=1,
+        trial_s=0.2,
+        workloads={"compute": 4, "tiny": 8, "large": 4, "sleep": 4},
+        snapshot_calls=20,
+        state_dict_cases=((1, 100), (2, 100_000)),
+        state_dict_calls=10,
+        restore_items=2_000,
+        restore_batch_size=16,
+        restore_late_fraction=0.9,
+        restore_repeats=1,
+        table_workers=1,
+    )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
+    config = tiny_config(bench)
+    report = bench.run(config, tmp_path, log=lambda line: None)
+
+    saved = json.loads((tmp_path / "results.json").read_text())
+    for key in ("meta", "config", "contenders", "workloads", "state_dict", "restore", "targets", "timing_s"):
+        assert key in saved, key
+    measured = [c for c, v in saved["contenders"].items() if v["skipped"] is None]
+    assert {"torch", "snaploader"} <= set(measured)
+    if "torchdata" not in measured:
+        assert saved["contenders"]["torchdata"]["skipped"]  # says why
+
+    assert set(saved["workloads"]) == set(config.workloads)
+    for name, entry in saved["workloads"].items():
+        assert set(entry["by_workers"]) == {str(w) for w in config.workers}, name
+        for row in entry["by_workers"].values():
+            assert set(row) == set(measured)
+            for summary in row.values():
+                assert _positive(summary["ratio_to_torch"])
+                assert _positive(summary["throughput_bps"])
+                assert _positive(summary["first_batch_ms"])
+                assert _positive(summary["peak_rss_mb"])
+                assert summary["cpu_us_per_batch"] >= 0 and summary["worker_cpu_us_per_batch"] >= 0
+                assert len(summary["runs"]) == config.repeats
+        snapshot = entry["snapshot"]
+        assert _positive(snapshot["snapshot_us"]) and _positive(snapshot["capture_rng_us"])
+        assert snapshot["snapshot_pickled_bytes"] > snapshot["rng_bytes"] > 0
+
+    stateful = [c for c in measured if c != "torch"]
+    assert len(saved["state_dict"]) == len(config.state_dict_cases) * len(stateful)
+    for row in saved["state_dict"]:
+        assert _positive(row["median_us"]) and row["size_bytes"] > 0
+
+    restore = saved["restore"]["loaders"]
+    assert set(restore) == set(measured)
+    for name in stateful:
+        assert _positive(restore[name]["late_over_early"])
+        assert isinstance(restore[name]["early_batch_matches"], bool)
+    assert restore["snaploader"]["early_batch_matches"] and restore["snaploader"]["late_batch_matches"]
+    assert _positive(restore["torch"]["cold_ms"])
+
+    names = {t["name"] for t in saved["targets"]}
+    assert any("throughput" in n for n in names) and any("snapshot" in n for n in names)
+    assert all(isinstance(t["met"], bool) for t in saved["targets"])
+
+    markdown = (tmp_path / "results.md").read_text()
+    assert markdown == bench.render_markdown(report)
+    rows = [line for line in markdown.splitlines() if line.startswith("| ")]
+    for name in config.workloads:
+        assert sum(line.startswith(f"| {name} |") for line in rows) == 1, name
+    assert "| target |" in markdown
+    assert bench.render_text(report)  # the stdout table renders
+
+    if report["plot"] is not None:
+        assert (tmp_path / report["plot"]).stat().st_size > 0
+    else:
+        assert "matplotlib" in report["plot_skipped"]
+
+
+def test_markdown_names_a_skipped_contender(bench: ModuleType) -> None:
+    contenders = bench.find_contenders(["torch", "snaploader", "torchdata"])
+    contenders["torchdata"].skipped = "not importable (test)"
+    contenders["torchdata"].make = None
+    assert [c.name for c in bench.available(contenders)] == ["torch", "snaploader"]
+    report = {
+        "meta": {"started": "now", "cpus": 2, "torch": "x"},
+        "config": {"mode": "test", "repeats": 1, "table_workers": 2,
+                   "contenders": ["torch", "snaploader", "torchdata"]},
+        "contenders": {c.name: {"version": c.version, "skipped": c.skipped} for c in contenders.values()},
+        "workloads": {},
+    }
+    assert "torchdata: not importable (test)" in bench.render_markdown(report)

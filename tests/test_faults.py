@@ -1,0 +1,486 @@
+"""The table of fault cases: workers that segfault, exit, are SIGKILLed, raise, or
+produce an unpicklable batch; workers killed from outside; a main process that dies.
+
+What a user relies on:
+
+- a worker that dies once (a transient fault) is invisible except for one
+  :class:`~snaploader.WorkerRespawnedWarning`: the stream is bit for bit the
+  uninterrupted one, for every start method, dataset kind and persistent setting;
+- a sample that kills its worker every time (a poison sample) ends, after exactly
+  ``max_worker_retries`` respawns, in :class:`~snaploader.WorkerCrashedError` naming
+  what happened, raised where the failed batch is due, so that ``state_dict()`` taken
+  then resumes at that batch;
+- an exception in dataset code comes back as itself, with a note saying where;
+- nothing outlives the loader, not even when the process that owns it is SIGKILLed.
+
+The uninterrupted reference runs under fork: the stream does not depend on the start
+method, so comparing spawn and forkserver runs with it checks that too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from . import _fault_datasets as fds
+from ._support import assert_same_stream as assert_same_batches
+from ._support import mp_helpers  # noqa: F401  (a fixture)
+from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning
+from snaploader.iterator import SnapIterator
+
+N = 20  # samples
+BATCH = 3
+WORKERS = 2
+DATASETS: dict[str, type] = {
+    "map": fds.MapFaults,
+    "iter": fds.IterFaults,
+    "iter_stateful": fds.IterFaultsStateful,
+}
+_WHAT = {
+    fds.SEGV: "was killed by SIGSEGV",
+    fds.KILL: "was killed by SIGKILL",
+    fds.EXIT: f"exited with code {fds.EXIT_CODE}",
+}
+_CAUSE = {
+    fds.SEGV: "native crash",
+    fds.KILL: "out-of-memory killer",
+    fds.EXIT: "called exit",
+}
+_ORPHAN_LIMIT_S = 20.0  # the watchdog needs about 1 s; generous for a loaded machine
+
+pytestmark = pytest.mark.usefixtures("mp_helpers")
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def make_loader(dataset: Any, context: str, persistent: bool, **kwargs: Any) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=BATCH,
+        shuffle=not isinstance(dataset, torch.utils.data.IterableDataset),
+        num_workers=WORKERS,
+        collate_fn=fds.collate,
+        multiprocessing_context=context,
+        generator=torch.Generator().manual_seed(7),
+        persistent_workers=persistent,
+        **kwargs,
+    )
+
+
+def run(loader: DataLoader, epochs: int) -> list[list[dict[str, Any]]]:
+    """Every batch of ``epochs`` epochs; stops the workers afterwards."""
+    out = []
+    it: SnapIterator | None = None
+    try:
+        for _ in range(epochs):
+            it = iter(loader)
+            out.append(list(it))
+    finally:
+        if it is not None:
+            it.close()
+    return out
+
+
+_REFERENCES: dict[tuple[Any, ...], list[list[dict[str, Any]]]] = {}
+
+
+def reference(kind: str, persistent: bool, epochs: int, n: int = N) -> list[list[dict[str, Any]]]:
+    """The uninterrupted stream of the first ``epochs`` (at most 2) epochs, computed
+    once per configuration, under fork."""
+    key = (kind, persistent, n)
+    if key not in _REFERENCES:
+        ds = fds.GatedMap(n) if kind == "gated_map" else fds.GatedIter(n) if kind == "gated_iter" else DATASETS[kind](n)
+        stream = run(make_loader(ds, "fork", persistent), 2)
+        # Copies out of shared memory: a cached tensor must not hold a /dev/shm fd.
+        _REFERENCES[key] = [[{k: v.clone() for k, v in b.items()} for b in e] for e in stream]
+    return _REFERENCES[key][:epochs]
+
+
+def assert_same_stream(got: list[list[dict[str, Any]]], want: list[list[dict[str, Any]]]) -> None:
+    assert len(got) == len(want)
+    for epoch, (a, b) in enumerate(zip(got, want)):
+        assert_same_batches(a, b, f"epoch {epoch}")
+
+
+def respawn_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, WorkerRespawnedWarning)]
+
+
+def where_item(kind: str, item: int) -> tuple[int, str]:
+    """(worker slot, how the messages name the batch) for the batch holding ``item``
+    in epoch 0, for the layouts of ``_fault_datasets`` with BATCH and WORKERS."""
+    if kind == "map":
+        raise AssertionError("map-style batches are shuffled: use map_batch_of")
+    worker = item % WORKERS
+    local = (item // WORKERS) // BATCH
+    return worker, f"its batch {local} of epoch 0"
+
+
+def position_of(ref_epoch: list[dict[str, Any]], item: int) -> int:
+    return next(k for k, b in enumerate(ref_epoch) if item in b["index"].tolist())
+
+
+def marker_info(marker: Path) -> tuple[int, int]:
+    pid, worker = marker.read_text().split()
+    return int(pid), int(worker)
+
+
+# -- transient faults: die once, the stream is unchanged ----------------------------------
+
+TRANSIENT = [
+    (context, kind, persistent, fault)
+    for context in ["fork"]
+    for kind in DATASETS
+    for persistent in (False, True)
+    for fault in fds.DEATH_KINDS
+] + [
+    # spawn and forkserver start a process in seconds: a subset that still covers every
+    # fault, dataset kind and persistent setting under spawn.
+    ("spawn", "map", False, fds.SEGV),
+    ("spawn", "map", True, fds.KILL),
+    ("spawn", "iter", True, fds.EXIT),
+    ("spawn", "iter_stateful", False, fds.KILL),
+    ("spawn", "iter", False, fds.SEGV),
+    ("forkserver", "map", True, fds.EXIT),
+    ("forkserver", "iter_stateful", True, fds.SEGV),
+]
+
+
+@pytest.mark.parametrize("context,kind,persistent,fault", TRANSIENT)
+def test_transient_death_leaves_stream_unchanged(
+    tmp_path: Path, context: str, kind: str, persistent: bool, fault: str
+) -> None:
+    epochs = 2 if persistent or context == "fork" else 1
+    want = reference(kind, persistent, epochs)
+    item = 13  # the second sample of a worker's second batch (iterable)
+    marker = tmp_path / "died"
+    ds = DATASETS[kind](N, fds.Fault(fault, item, str(marker)))
+    loader = make_loader(ds, context, persistent)
+    assert loader.multiprocessing_context.get_start_method() == context
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(loader, epochs)
+    assert_same_stream(got, want)
+    assert marker.exists(), "the fault never fired: the test tests nothing"
+    pid, worker = marker_info(marker)
+    messages = respawn_warnings(caught)
+    assert len(messages) == 1, messages
+    message = messages[0]
+    assert f"worker {worker} (pid {pid})" in message
+    assert _WHAT[fault] in message
+    if kind == "map":
+        batch = position_of(want[0], item)
+        assert f"batch {batch} of epoch 0" in message
+        indices = want[0][batch]["index"].tolist()
+        assert f"sample indices {indices}" in message
+    else:
+        slot, batch_text = where_item(kind, item)
+        assert slot == worker
+        assert batch_text in message
+    assert "respawned" in message and "from its snapshot" in message
+
+
+# -- poison samples: bounded retries, a clear error, resume at the failed batch -----------
+
+PERMANENT = [
+    (context, kind, persistent, fault)
+    for context in ["fork"]
+    for kind in ("map", "iter")
+    for persistent in (False, True)
+    for fault in fds.DEATH_KINDS
+] + [
+    ("spawn", "map", False, fds.SEGV),
+    ("spawn", "iter_stateful", True, fds.KILL),
+    ("forkserver", "map", False, fds.EXIT),
+]
+
+
+@pytest.mark.parametrize("context,kind,persistent,fault", PERMANENT)
+def test_poison_sample_ends_in_error_and_resumes_at_failed_batch(
+    context: str, kind: str, persistent: bool, fault: str
+) -> None:
+    retries = 2 if context == "fork" else 1
+    want = reference(kind, persistent, 1)[0]
+    item = 13
+    loader = make_loader(DATASETS[kind](N, fds.Fault(fault, item)), context, persistent,
+                         max_worker_retries=retries)
+    failed = position_of(want, item)
+    got: list[dict[str, Any]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        it = iter(loader)
+        with pytest.raises(WorkerCrashedError) as excinfo:
+            for batch in it:
+                got.append(batch)
+    message = str(excinfo.value)
+    # Every batch before the failed one was yielded, and nothing after it.
+    assert_same_batches(got, want[:failed], "before the error")
+    assert len(respawn_warnings(caught)) == retries
+    assert _WHAT[fault] in message
+    assert _CAUSE[fault] in message
+    assert f"{retries + 1} times" in message
+    if kind == "map":
+        worker = failed % WORKERS
+        assert f"worker {worker} (pid " in message
+        assert f"batch {failed} of epoch 0" in message
+        assert f"sample indices {want[failed]['index'].tolist()}" in message
+    else:
+        worker, batch_text = where_item(kind, item)
+        assert f"worker {worker} (pid " in message
+        assert batch_text in message
+    # The iterator is finished and its workers are gone.
+    assert list(it) == []
+    # A checkpoint taken now resumes at the failed batch.
+    state = loader.state_dict()
+    # The checkpoint does not depend on the start method; fork restarts fastest.
+    fixed = make_loader(DATASETS[kind](N), "fork", persistent, replay="allow")
+    fixed.load_state_dict(state)
+    resumed = run(fixed, 1)[0]
+    assert_same_batches(resumed, want[failed:], "resumed")
+
+
+# -- exceptions and unpicklable batches: the original error, with where -------------------
+
+
+@pytest.mark.parametrize(
+    "context,kind", [("fork", "map"), ("fork", "iter"), ("spawn", "map"), ("spawn", "iter_stateful")]
+)
+def test_dataset_exception_comes_back_as_itself(context: str, kind: str) -> None:
+    want = reference(kind, False, 1)[0]
+    item = 13
+    failed = position_of(want, item)
+    loader = make_loader(DATASETS[kind](N, fds.Fault(fds.RAISE, item)), context, False)
+    it = iter(loader)
+    got = [next(it) for _ in range(failed)]
+    with pytest.raises(fds.PoisonError, match=f"cannot load sample {item}") as excinfo:
+        next(it)
+    note = "\n".join(getattr(excinfo.value, "__notes__", []))
+    assert "Caught PoisonError" in note
+    assert f"batch {failed} of epoch 0" in note
+    assert "Traceback" in note and "_fault_datasets.py" in note
+    if kind == "map":
+        assert f"worker process {failed % WORKERS} " in note
+        assert f"sample indices {want[failed]['index'].tolist()}" in note
+        # The loader goes on with the next batch, as torch's does.
+        got += list(it)
+        assert_same_batches(got, want[:failed] + want[failed + 1:])
+    else:
+        assert f"worker process {where_item(kind, item)[0]} " in note
+        it.close()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("fault", [fds.LAMBDA, fds.GENERATOR])
+def test_unpicklable_batch_is_an_error_naming_the_batch(context: str, fault: str) -> None:
+    want = reference("map", False, 1)[0]
+    item = 13
+    failed = position_of(want, item)
+    loader = make_loader(fds.MapFaults(N, fds.Fault(fault, item)), context, False)
+    it = iter(loader)
+    got = [next(it) for _ in range(failed)]
+    with pytest.raises(Exception) as excinfo:
+        next(it)
+    text = str(excinfo.value) + "\n".join(getattr(excinfo.value, "__notes__", []))
+    assert "could not be sent" in text and "pickle" in text
+    assert f"batch {failed} of epoch 0" in text
+    assert f"worker process {failed % WORKERS} " in text
+    assert f"sample indices {want[failed]['index'].tolist()}" in text
+    got += list(it)
+    assert_same_batches(got, want[:failed] + want[failed + 1:])
+
+
+# -- deaths the dataset does not cause ----------------------------------------------------
+
+
+class _GateOnWarning(list):  # type: ignore[type-arg]
+    """A warnings record that opens ``gate`` when a WorkerRespawnedWarning arrives."""
+
+    def __init__(self, gate: Path) -> None:
+        super().__init__()
+        self.gate = gate
+        self.opened_by_warning = False
+
+    def append(self, w: Any) -> None:
+        super().append(w)
+        if issubclass(w.category, WorkerRespawnedWarning) and not self.gate.exists():
+            self.opened_by_warning = True
+            self.gate.touch()
+
+
+def _record_into(record: list[Any]) -> Callable[..., None]:
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        record.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+    return show
+
+
+@pytest.mark.parametrize(
+    "context,kind", [("fork", "gated_map"), ("fork", "gated_iter"), ("spawn", "gated_map")]
+)
+def test_worker_killed_while_main_waits(tmp_path: Path, context: str, kind: str) -> None:
+    """Kill the worker the main process is waiting on, in the middle of its batch."""
+    want = reference(kind, False, 1)[0]
+    gate = tmp_path / "gate"
+    item = 13
+    cls = fds.GatedMap if kind == "gated_map" else fds.GatedIter
+    loader = make_loader(cls(N, item, str(gate)), context, False)
+    failed = position_of(want, item)
+    it = iter(loader)
+    got = [next(it) for _ in range(failed)]
+    assert it.pool is not None
+    worker = failed % WORKERS if kind == "gated_map" else item % WORKERS
+    pid = it.pool.workers[worker].pid  # type: ignore[union-attr]
+
+    def kill_then_open() -> None:
+        time.sleep(0.2)  # let the main process block in next()
+        os.kill(pid, signal.SIGKILL)
+        gate.touch()  # the respawned worker gets through
+
+    killer = threading.Thread(target=kill_then_open)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        killer.start()
+        try:
+            got += list(it)
+        finally:
+            killer.join()
+    assert_same_batches(got, want)
+    messages = respawn_warnings(caught)
+    assert len(messages) == 1
+    assert f"worker {worker} (pid {pid}) was killed by SIGKILL" in messages[0]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_idle_worker_killed_while_main_waits_is_detected(tmp_path: Path, context: str) -> None:
+    """Worker 1 has nothing outstanding; the main process waits on worker 0's last
+    batch, which only arrives once worker 1's death has been seen and handled."""
+    n = 10  # 4 batches, all dispatched at once: worker 0 makes 0 and 2, worker 1 makes
+    n_batches = 4  # 1 and 3, so after 3 batches worker 0 has nothing outstanding
+    want = reference("gated_map", True, 2, n=n)
+    last = want[0][-1]["index"].tolist()
+    gate = tmp_path / "gate"
+    loader = make_loader(fds.GatedMap(n, last[0], str(gate)), context, True)
+    it = iter(loader)
+    got = [next(it) for _ in range(n_batches - 1)]
+    assert it.pool is not None and it.dispatched == n_batches
+    waited = (n_batches - 1) % WORKERS
+    idle = 1 - waited
+    pid = it.pool.workers[idle].pid  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGKILL)
+    record = _GateOnWarning(gate)
+    # A fallback so that a missed death fails the test instead of hanging it.
+    fallback = threading.Timer(30.0, gate.touch)
+    fallback.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = _record_into(record)
+        try:
+            got += list(it)
+            second = list(iter(loader))
+        finally:
+            fallback.cancel()
+            it.close()
+    assert record.opened_by_warning, "the death of the idle worker was not noticed while waiting"
+    assert_same_stream([got, second], want)
+    messages = respawn_warnings(record)
+    assert len(messages) == 1
+    assert f"worker {idle} (pid {pid}) was killed by SIGKILL" in messages[0]
+
+
+@pytest.mark.parametrize("context,kind", [("fork", "map"), ("fork", "iter"), ("spawn", "iter_stateful")])
+def test_persistent_worker_killed_between_epochs(context: str, kind: str) -> None:
+    want = reference(kind, True, 2)
+    loader = make_loader(DATASETS[kind](N), context, True)
+    it = iter(loader)
+    try:
+        first = list(it)
+        assert it.pool is not None
+        pids = [w.pid for w in it.pool.workers if w is not None]
+        os.kill(pids[0], signal.SIGKILL)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            second = list(iter(loader))
+        assert it.pool is not None
+        assert it.pool.workers[0].pid != pids[0]  # type: ignore[union-attr]
+    finally:
+        it.close()
+    assert_same_stream([first, second], want)
+    messages = respawn_warnings(caught)
+    assert len(messages) == 1 and f"worker 0 (pid {pids[0]}) was killed by SIGKILL" in messages[0]
+
+
+@pytest.mark.parametrize("context,kind", [("fork", "map"), ("fork", "iter"), ("spawn", "map")])
+def test_sender_killed_right_after_sending(tmp_path: Path, context: str, kind: str) -> None:
+    """The worker returns a batch of tensors (in shared memory) and is SIGKILLed a moment
+    later, possibly before the main process has opened them: either the batch counts
+    as received or it is produced again, never lost and never doubled."""
+    want = reference(kind, False, 1)
+    marker = tmp_path / "died"
+    item = 13
+    ds = DATASETS[kind](N, fds.Fault(fds.KILL_AFTER, item, str(marker)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(make_loader(ds, context, False), 1)
+    assert_same_stream(got, want)
+    assert marker.exists()
+    pid, worker = marker_info(marker)
+    # Killed 2 ms after returning the sample: it died before the epoch ended, unless
+    # the epoch's end stopped it first (then there is nothing to respawn).
+    messages = respawn_warnings(caught)
+    assert len(messages) <= 1
+    if messages:
+        assert f"worker {worker} (pid {pid}) was killed by SIGKILL" in messages[0]
+
+
+# -- the main process dies -----------------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_exit_when_the_main_process_is_killed(context: str) -> None:
+    mp = multiprocessing.get_context("fork")
+    receive, send = mp.Pipe(duplex=False)
+    child = mp.Process(target=fds.run_loader_child, args=(send, context == "fork"))
+    child.start()
+    send.close()
+    try:
+        assert receive.poll(120), "the child never started its loader"
+        workers = receive.recv()
+        descendants = [p.pid for p in psutil.Process(child.pid).children(recursive=True)]
+        assert set(workers) <= set(descendants) and len(workers) == WORKERS
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        deadline = time.monotonic() + _ORPHAN_LIMIT_S
+        while not all(_gone(p) for p in descendants) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in descendants if not _gone(p)]
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.kill()
+            child.join()
+    for pid in left:  # do not leave them running for the next tests
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"orphaned processes still running {_ORPHAN_LIMIT_S} s after the main process died: {left}"

@@ -1,0 +1,172 @@
+"""snapshot.py: the RNG states a worker resumes from, encoded as bytes, and the check
+that a dataset's state is plain checkpoint data."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import snaploader
+from snaploader import StateNotPlainDataError
+from snaploader import snapshot
+from snaploader.snapshot import RAW_RNG_ACCESS, Snapshot, capture_rng, check_plain, restore_rng
+
+from ._datasets import Range
+
+
+def _draws() -> list[Any]:
+    """Draws that read every part of the three states, cached gaussians included."""
+    return [
+        random.random(),
+        random.gauss(0.0, 1.0),
+        random.getrandbits(70),
+        float(np.random.random_sample()),
+        float(np.random.standard_normal()),
+        np.random.randint(0, 2**31, size=3).tolist(),
+        torch.rand(4).tolist(),
+        torch.randn(3).tolist(),
+    ]
+
+
+def _public_state() -> tuple[Any, ...]:
+    py = random.getstate()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    return py, (kind, keys.tolist(), pos, has_gauss, gauss), torch.get_rng_state().tolist()
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_rngs() -> Any:
+    """These tests scramble the global RNGs; put them back for later tests."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
+    torch.set_rng_state(saved[2])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), warmup=st.integers(0, 5), gauss_first=st.booleans())
+def test_capture_restore_round_trip(seed: int, warmup: int, gauss_first: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    for _ in range(warmup):
+        _draws()
+    if gauss_first:  # leave a cached second gaussian in random and in NumPy
+        random.gauss(0.0, 1.0)
+        np.random.standard_normal()
+    public = _public_state()
+    blob = capture_rng()
+    first = _draws()
+    restore_rng(blob)
+    assert _public_state() == public
+    assert _draws() == first
+    restore_rng(blob)
+    assert capture_rng() == blob
+
+
+def test_restore_sets_and_clears_the_cached_gaussians() -> None:
+    random.seed(3)
+    np.random.seed(3)
+    random.gauss(0.0, 1.0)
+    np.random.standard_normal()
+    with_cache = capture_rng()
+    assert random.getstate()[2] is not None and np.random.get_state()[3] == 1
+    cached = random.gauss(0.0, 1.0), float(np.random.standard_normal())
+    without_cache = capture_rng()  # both caches were just consumed
+    assert random.getstate()[2] is None and np.random.get_state()[3] == 0
+
+    restore_rng(with_cache)
+    assert (random.gauss(0.0, 1.0), float(np.random.standard_normal())) == cached
+
+    random.gauss(0.0, 1.0)  # fills the caches again
+    np.random.standard_normal()
+    restore_rng(without_cache)
+    assert random.getstate()[2] is None and np.random.get_state()[3] == 0
+
+
+def test_raw_access_is_active_and_agrees_with_the_public_api() -> None:
+    # NOTE [ raw RNG access ] in snapshot.py: on CPython with this NumPy the fast
+    # path must be the one in use, and read and write what the public API does.
+    assert RAW_RNG_ACCESS
+    assert isinstance(snapshot._python_rng, snapshot._PyRandomRaw)
+    assert isinstance(snapshot._numpy_rng, snapshot._NumpyRaw)
+    slow_py = snapshot._PyRandomSlow(random._inst)  # type: ignore[attr-defined]
+    slow_np = snapshot._NumpySlow(np.random.mtrand._rand)
+    for seed in range(3):
+        random.seed(seed)
+        np.random.seed(seed)
+        for _ in range(seed):
+            random.gauss(0.0, 1.0)
+            np.random.standard_normal()
+        assert snapshot._python_rng.read() == slow_py.read()
+        assert snapshot._numpy_rng.read() == slow_np.read()
+        py_blob, np_blob = slow_py.read(), slow_np.read()
+        _draws()
+        snapshot._python_rng.write(py_blob)
+        snapshot._numpy_rng.write(np_blob)
+        assert slow_py.read() == py_blob and slow_np.read() == np_blob
+
+
+def test_capture_is_compact_bytes() -> None:
+    blob = capture_rng()
+    assert isinstance(blob, bytes)
+    # three Mersenne Twister states: 2 x ~2.5 KB (Python, NumPy) + torch's ~5 KB
+    assert len(blob) <= 12 * 1024
+
+
+def test_snapshot_plain_round_trip() -> None:
+    snap = Snapshot(capture_rng(), 7, {"pos": 3, "t": torch.arange(3)}, "dataset", True, False)
+    plain = snap.to_plain()
+    check_plain(plain, "snapshot")
+    back = Snapshot.from_plain(plain)
+    assert back.rng == snap.rng and back.produced == 7 and back.data_owner == "dataset"
+    assert back.complete and not back.exhausted and torch.equal(back.data["t"], torch.arange(3))
+
+
+def test_check_plain_accepts_plain_data() -> None:
+    check_plain(
+        {"a": [1, 2.5, True, None, "s", b"b", (3, 4)], 5: {"t": torch.zeros(2)}, "empty": {}},
+        "state",
+    )
+
+
+def test_check_plain_names_the_key_path_and_type() -> None:
+    for value, path, type_name in [
+        ({"a": [1, {"b": np.int64(3)}]}, "state['a'][1]['b']", "numpy.int64"),
+        ({"x": np.zeros(2)}, "state['x']", "numpy.ndarray"),
+        ([{"g": np.random.default_rng(0)}], "state[0]['g']", "numpy.random._generator.Generator"),
+        ({"s": {1, 2}}, "state['s']", "builtins.set"),
+        ({"nested": {(1, 2): 3}}, "state['nested']", "tuple"),
+    ]:
+        with pytest.raises(StateNotPlainDataError) as info:
+            check_plain(value, "state")
+        message = str(info.value)
+        assert path in message and type_name in message, message
+
+
+class _NumpyStateRange(Range):
+    """A dataset whose state_dict() holds a NumPy array (not plain data)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"order": np.arange(3)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_dataset_state_not_plain_reaches_the_user(num_workers: int) -> None:
+    # Whether the dataset runs in the main process or in a worker, the user sees the
+    # StateNotPlainDataError naming the key, not a crash of the worker.
+    loader = snaploader.DataLoader(
+        _NumpyStateRange(6), batch_size=2, num_workers=num_workers, max_worker_retries=0
+    )
+    with pytest.raises(StateNotPlainDataError, match=r"\['order'\].*numpy\.ndarray"):
+        list(loader)
