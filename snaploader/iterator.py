@@ -13,7 +13,8 @@
 
 - Order is decided by data, never timing: map-style batch k comes from worker
   k mod W; iterable batches come round-robin from the workers not yet exhausted,
-  and a worker counts as exhausted only when its own "exhausted" reply is reached.
+  and a worker counts as exhausted only when its own "exhausted" reply, or the short
+  batch its iterator ran dry in, is reached (both are data, not timing).
 - ``timeout > 0`` bounds each wait for a batch, as in torch. Otherwise the receiver
   waits on pipes and sentinels together, so it wakes on either a result or a death.
 - ``num_workers=0`` runs the same :class:`WorkerRuntime` in this process, as worker 0
@@ -27,7 +28,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, Final
 
@@ -95,6 +96,39 @@ class EpochStart:
     sampler_epoch: int | None = None
 
 
+@dataclass(frozen=True)
+class LoaderView:
+    """The loader settings an iterator reads. A copy, not the loader: a loader with
+    persistent workers holds its iterator, and an iterator holding the loader back
+    would make a cycle that only the cyclic gc frees, leaving workers running after
+    ``del loader``; and ``for b in DataLoader(...)`` must work with no loader left."""
+
+    dataset: Any
+    _index_sampler: Any
+    _iterable: bool
+    _auto_collation: bool
+    _context: Any
+    _pin_memory_active: bool
+    _pin_device: str | None
+    _IterableDataset_len_called: int | None
+    num_workers: int
+    prefetch_factor: int | None
+    timeout: float
+    persistent_workers: bool
+    generator: torch.Generator | None
+    batch_size: int | None
+    drop_last: bool
+    collate_fn: Any
+    worker_init_fn: Any
+    snapshot_every: int
+    replay: str
+    max_worker_retries: int
+
+    @staticmethod
+    def of(loader: DataLoader) -> LoaderView:
+        return LoaderView(**{f.name: getattr(loader, f.name) for f in fields(LoaderView)})
+
+
 @dataclass
 class _Slot:
     """Per worker, this epoch: tasks sent and not answered, answers not yet yielded."""
@@ -110,7 +144,7 @@ class SnapIterator:
     """Iterator over one loader's batches; persistent workers reuse it across epochs."""
 
     def __init__(self, loader: DataLoader, start: EpochStart) -> None:
-        self.loader = loader
+        self.loader = LoaderView.of(loader)
         self.iterable = loader._iterable
         self.num_workers = loader.num_workers
         self.slots_count = max(1, loader.num_workers)
@@ -131,7 +165,9 @@ class SnapIterator:
 
     # -- epoch start ----------------------------------------------------------------
 
-    def start_epoch(self, start: EpochStart) -> None:
+    def start_epoch(self, start: EpochStart, owner: DataLoader | None = None) -> None:
+        if owner is not None:  # a persistent iterator's next epoch: settings may have changed
+            self.loader = LoaderView.of(owner)
         loader = self.loader
         sampler_with_epoch = None if self.iterable else epoch_aware_part(loader._index_sampler)
         if start.sampler_epoch is not None and sampler_with_epoch is not None:
@@ -446,8 +482,8 @@ class SnapIterator:
                 return
         self.pool.start(slot)
         self._transmit(slot, self._resume_message(slot, received=True))
-        for task in state.outstanding:
-            self._transmit(slot, task)
+        for pending in state.outstanding:
+            self._transmit(slot, pending)
         new = self.pool.workers[slot]
         assert new is not None
         if state.failed is not None:
@@ -489,10 +525,31 @@ class SnapIterator:
             assert isinstance(result.payload, WorkerError)
             where = self._where(self._last_slot, task)
             raise result.payload.rebuild(where)
+        if self.iterable:
+            self._check_reported_length()
         data = result.payload
         if self.pin:
             data = torch_pin_memory.pin_memory(data, self.loader._pin_device)
         return data
+
+    def _check_reported_length(self) -> None:
+        # torch's warning, in torch's words: len(loader) was asked of an iterable
+        # dataset, and more batches than that came.
+        reported = self.loader._IterableDataset_len_called
+        yielded = self.progress.yielded
+        if reported is None or yielded <= reported:
+            return
+        message = (
+            f"Length of IterableDataset {self.loader.dataset} was reported to be {reported}"
+            f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
+        )
+        if self.num_workers > 0:
+            message += (
+                "For multiprocessing data-loading, this could be caused by not properly configuring the "
+                "IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
+            )
+        warnings.warn(message, stacklevel=3)
 
     def _next_result(self) -> tuple[Task, Result] | None:
         progress = self.progress

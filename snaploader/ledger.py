@@ -11,10 +11,12 @@ batches are simply produced again on restore, from those snapshots, identically.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from .snapshot import Snapshot
 from .worker import Resume
+
+_SAME_AS_YIELDED: Final = "same as yielded"
 
 
 @dataclass
@@ -49,10 +51,12 @@ class WorkerLedger:
         def plain(snapshot: Snapshot | None) -> dict[str, Any] | None:
             return None if snapshot is None else snapshot.to_plain()
 
+        # Usually the newest complete snapshot is the newest one; say so, not twice.
+        same = self.yielded_complete is not None and self.yielded_complete is self.yielded
         return {
             "epoch_start": plain(self.epoch_start),
             "yielded": plain(self.yielded),
-            "yielded_complete": plain(self.yielded_complete),
+            "yielded_complete": _SAME_AS_YIELDED if same else plain(self.yielded_complete),
             "exhausted": self.exhausted,
         }
 
@@ -61,10 +65,12 @@ class WorkerLedger:
         def snap(value: dict[str, Any] | None) -> Snapshot | None:
             return None if value is None else Snapshot.from_plain(value)
 
+        yielded = snap(plain["yielded"])
+        complete = plain["yielded_complete"]
         return WorkerLedger(
             epoch_start=snap(plain["epoch_start"]),
-            yielded=snap(plain["yielded"]),
-            yielded_complete=snap(plain["yielded_complete"]),
+            yielded=yielded,
+            yielded_complete=yielded if complete == _SAME_AS_YIELDED else snap(complete),
             exhausted=bool(plain["exhausted"]),
         )
 

@@ -14,7 +14,8 @@ import torch.utils.data as torch_data
 from .errors import ReplayRefusedError
 from .iterator import EpochStart, SnapIterator
 from .ledger import EpochProgress, WorkerLedger, replay_without_protocol
-from .plan import RngSource
+from .plan import RngSource, stateful_part
+from .snapshot import rng_from_plain, rng_to_plain
 from .state import FORMAT, VERSION, Fingerprint, check_fingerprint, validate
 from .worker import replay_message
 
@@ -150,7 +151,7 @@ class DataLoader(torch_data.DataLoader):
         self._pending_state = None
         reuse = self._persistent_iter
         if reuse is not None and not reuse.closed:
-            reuse.start_epoch(start)
+            reuse.start_epoch(start, self)
             iterator = reuse
         else:
             if self.num_workers > 0:
@@ -224,7 +225,7 @@ class DataLoader(torch_data.DataLoader):
                 ended=progress.ended,
                 yielded=progress.yielded,
                 turn=progress.turn,
-                rng_start=progress.rng_start,
+                rng_start=rng_to_plain(progress.rng_start),
                 base_seed=progress.base_seed,
                 drew_base_seed=progress.drew_base_seed,
                 sampler_state=progress.sampler_state(),
@@ -233,7 +234,9 @@ class DataLoader(torch_data.DataLoader):
             )
         ended = state["ended"]
         state["rng_next"] = (
-            RngSource(self.generator).get_state() if ended and self.generator is not None else None
+            rng_to_plain(RngSource(self.generator).get_state())
+            if ended and self.generator is not None
+            else None
         )
         return state
 
@@ -263,8 +266,11 @@ class DataLoader(torch_data.DataLoader):
             self._persistent_iter.close()
             self._persistent_iter = None
         if state["ended"]:
+            stateful = None if self._iterable else stateful_part(self._index_sampler)
+            if stateful is not None and state["sampler_state"] is not None:
+                stateful.load_state_dict(state["sampler_state"]["state"])
             if state["rng_next"] is not None and self.generator is not None:
-                RngSource(self.generator).set_state(state["rng_next"])
+                RngSource(self.generator).set_state(rng_from_plain(state["rng_next"]))
             if self.persistent_workers and state["epoch"] >= 0 and ledgers:
                 start = EpochStart(
                     epoch=state["epoch"] + 1,
@@ -278,7 +284,7 @@ class DataLoader(torch_data.DataLoader):
         else:
             start = EpochStart(
                 epoch=state["epoch"],
-                restore_rng=state["rng_start"],
+                restore_rng=rng_from_plain(state["rng_start"]),
                 base_seed=state["base_seed"],
                 draw_base_seed=state["drew_base_seed"],
                 yielded=state["yielded"],
@@ -291,7 +297,3 @@ class DataLoader(torch_data.DataLoader):
         self._pending_state = dict(state)
         self._progress = None
 
-    def __del__(self) -> None:
-        iterator = getattr(self, "_persistent_iter", None)
-        if iterator is not None:
-            iterator.close()

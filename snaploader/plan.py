@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler
 
+from .snapshot import pack_torch_state, unpack_torch_state
 from .worker import has_state_protocol
 
 
@@ -40,10 +41,10 @@ class RngSource:
 
     def get_state(self) -> bytes:
         state = torch.get_rng_state() if self.generator is None else self.generator.get_state()
-        return state.numpy().tobytes()
+        return pack_torch_state(state.numpy().tobytes())
 
     def set_state(self, state: bytes) -> None:
-        tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+        tensor = torch.frombuffer(bytearray(unpack_torch_state(state)), dtype=torch.uint8)
         if self.generator is None:
             torch.set_rng_state(tensor)
         else:
@@ -108,14 +109,20 @@ class IndexPlan:
     """
 
     def __init__(self, index_sampler: Any, skip: int = 0, sampler_state: Any = None) -> None:
+        """``sampler_state`` is what :meth:`sampler_state_before` returned in the run
+        being restored: the stateful sampler then stands at batch ``skip`` by itself."""
         self.stateful = stateful_part(index_sampler)
+        done = False
         if self.stateful is not None and sampler_state is not None:
-            self.stateful.load_state_dict(sampler_state)
-            skip = 0  # the sampler's own state already stands at batch `skip`
-        self.batches = self._iterate(index_sampler, skip)
+            self.stateful.load_state_dict(sampler_state["state"])
+            done = bool(sampler_state["done"])
+            skip = 0
+        self.batches: Iterator[Any] = iter(()) if done else self._iterate(index_sampler, skip)
         # state_dict() of the stateful sampler taken before each drawn batch, oldest first
         self.states: deque[Any] = deque()
         self.next_index = 0
+        self.total: int | None = None  # batches in this plan, once the sampler ran dry
+        self.drawn = 0
         self.upcoming = self._draw()
 
     def _iterate(self, index_sampler: Any, skip: int) -> Iterator[Any]:
@@ -130,7 +137,12 @@ class IndexPlan:
     def _draw(self) -> Any | None:
         if self.stateful is not None:
             self.states.append(self.stateful.state_dict())
-        return next(self.batches, None)
+        batch = next(self.batches, None)
+        if batch is None:
+            self.total = self.drawn
+        else:
+            self.drawn += 1
+        return batch
 
     def take(self) -> Any | None:
         """The indices of the next batch, or None at the end of the epoch."""
@@ -139,12 +151,18 @@ class IndexPlan:
             self.upcoming = self._draw()
         return batch
 
-    def sampler_state_before(self, yielded_in_plan: int) -> Any:
-        """The stateful sampler's state before the ``yielded_in_plan``-th batch this
-        plan drew (counting from 0), or None for samplers without the protocol."""
+    def sampler_state_before(self, yielded_in_plan: int) -> dict[str, Any] | None:
+        """For a stateful sampler, ``{"state": ..., "done": ...}`` that puts it before
+        the ``yielded_in_plan``-th batch this plan drew (counting from 0); None for
+        samplers without the protocol. Past the last batch the sampler may already have
+        moved on to its next epoch (a partial last batch runs it dry while being
+        drawn), so there the state is its current one and ``done`` says that this
+        epoch has nothing left."""
         if self.stateful is None:
             return None
+        if self.total is not None and yielded_in_plan >= self.total:
+            return {"state": self.stateful.state_dict(), "done": True}
         while len(self.states) > 1 and self.next_index < yielded_in_plan:
             self.states.popleft()
             self.next_index += 1
-        return self.states[0]
+        return {"state": self.states[0], "done": False}

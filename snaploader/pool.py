@@ -36,6 +36,7 @@ _KILL_TIMEOUT_S: Final = 2.0
 # roomy task pipe means the main process never waits on a busy worker to send a task.
 _TASK_PIPE_BYTES: Final = 1 << 20
 _F_SETPIPE_SZ: Final = 1031
+_SHM_DIR: Final = "/dev/shm"
 
 
 def _widen_pipe(conn: Connection) -> None:
@@ -43,6 +44,24 @@ def _widen_pipe(conn: Connection) -> None:
         fcntl.fcntl(conn.fileno(), _F_SETPIPE_SZ, _TASK_PIPE_BYTES)
     except OSError:  # above /proc/sys/fs/pipe-max-size: keep the default
         pass
+
+
+def remove_shm_left_by(pid: int) -> None:
+    """Remove the /dev/shm entries a dead process left behind. torch names the shared
+    memory a process creates ``torch_<pid>_...`` and unlinks the name right after
+    creating it; a worker killed in between leaves the entry for good (kill workers
+    often enough and it happens). Only a dead process's own names are touched."""
+    prefix = f"torch_{pid}_"
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except OSError:
+                pass
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -154,6 +173,8 @@ class Pool:
         worker = self.workers[slot]
         assert worker is not None
         worker.process.join(_KILL_TIMEOUT_S)
+        if worker.process.exitcode not in (None, 0):
+            remove_shm_left_by(worker.pid)
         worker.close_pipes()
         self.workers[slot] = None
         return worker
@@ -183,6 +204,8 @@ class Pool:
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join(_KILL_TIMEOUT_S)
+            if worker.process.exitcode not in (None, 0):
+                remove_shm_left_by(worker.pid)
             worker.task.close()
             worker.process.close()
         self.workers = [None] * len(self.workers)

@@ -13,10 +13,11 @@ plain data a dataset's own ``state_dict()`` returns), so it survives
     yielded       batches yielded in that epoch
     turn          iterable datasets: the worker whose batch comes next
     rng_kind      "generator" or "global": what the epoch's draws came from
-    rng_start     that generator's state at the epoch start (bytes)
-    rng_next      the generator's state for the next epoch (bytes), or None
+    rng_start     that generator's state at the epoch start (a uint8 tensor)
+    rng_next      the generator's state for the next epoch (a uint8 tensor), or None
     base_seed     the epoch's worker base seed; drew_base_seed: drawn this epoch
-    sampler_state the stateful sampler's state before the next batch, or None
+    sampler_state {state, done}: the stateful sampler's state before the next batch
+                  (done: it has nothing left this epoch), or None
     sampler_epoch the sampler's ``epoch`` (DistributedSampler), or None
     workers       one ledger per worker (see ledger.py): snapshots as plain dicts
 """
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Final
+
+import torch
 
 from .errors import CheckpointFormatError, CheckpointMismatchError
 
@@ -44,7 +47,7 @@ FINGERPRINT_KEYS: Final = (
 )
 
 _SNAPSHOT_FIELDS: Final = {
-    "rng": (bytes,),
+    "rng": (bytes, torch.Tensor),
     "produced": (int,),
     "data_owner": (str, type(None)),
     "complete": (bool,),
@@ -60,8 +63,8 @@ _TOP_FIELDS: Final = {
     "yielded": (int,),
     "turn": (int,),
     "rng_kind": (str,),
-    "rng_start": (bytes, type(None)),
-    "rng_next": (bytes, type(None)),
+    "rng_start": (bytes, torch.Tensor, type(None)),
+    "rng_next": (bytes, torch.Tensor, type(None)),
     "base_seed": (int, type(None)),
     "drew_base_seed": (bool,),
     "sampler_epoch": (int, type(None)),
@@ -132,15 +135,25 @@ def validate(state: Any) -> None:
             where,
             ledger,
             {"epoch_start": (dict, type(None)), "yielded": (dict, type(None)),
-             "yielded_complete": (dict, type(None)), "exhausted": (bool,)},
+             "yielded_complete": (dict, str, type(None)), "exhausted": (bool,)},
         )
+        if isinstance(ledger["yielded_complete"], str) and ledger["yielded_complete"] != "same as yielded":
+            raise CheckpointFormatError(
+                f"{where}['yielded_complete'] should be a snapshot dict, None or "
+                f"'same as yielded', got {ledger['yielded_complete']!r:.60}"
+            )
         for key in ("epoch_start", "yielded", "yielded_complete"):
-            if ledger[key] is not None:
+            if isinstance(ledger[key], dict):
                 _check_fields(f"{where}[{key!r}]", ledger[key], _SNAPSHOT_FIELDS)
                 if "data" not in ledger[key]:
                     raise CheckpointFormatError(f"{where}[{key!r}] has no 'data' key")
     if "sampler_state" not in state:
         raise CheckpointFormatError("loader state has no 'sampler_state' key")
+    sampler_state = state["sampler_state"]
+    if sampler_state is not None:
+        _check_fields("loader state['sampler_state']", sampler_state, {"done": (bool,)})
+        if "state" not in sampler_state:
+            raise CheckpointFormatError("loader state['sampler_state'] has no 'state' key")
     if state["yielded"] < 0 or state["epoch"] < -1:
         raise CheckpointFormatError(
             f"loader state has epoch {state['epoch']} and yielded {state['yielded']}; "

@@ -1065,16 +1065,52 @@ def render_text(report: dict[str, Any]) -> str:
 
 
 def plot_throughput(report: dict[str, Any], path: Path) -> str | None:
-    """Throughput vs num_workers, one panel per workload; None when matplotlib is
-    missing (the reason is recorded in the report)."""
+    """Throughput vs num_workers, one panel per workload, as a PNG at ``path``; returns
+    its file name, or None with the reason in ``report["plot_skipped"]``.
+
+    It draws in a forked child where it can: matplotlib then never loads into this
+    process, whose backend, global state and open font files stay as they were."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        problem = _draw_throughput(report, path)
+    else:
+        ctx = multiprocessing.get_context("fork")
+        receiver, sender = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_draw_in_child, args=(sender, report, path))
+        child.start()
+        sender.close()
+        try:
+            problem = receiver.recv() if receiver.poll(300) else "drawing took over 300 s"
+        except EOFError:
+            problem = f"the drawing process died (exit code {child.exitcode})"
+        finally:
+            receiver.close()
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+                child.join()
+            child.close()
+    if problem is not None:
+        report["plot_skipped"] = problem
+        return None
+    return path.name
+
+
+def _draw_in_child(conn: Any, report: dict[str, Any], path: Path) -> None:
+    try:
+        conn.send(_draw_throughput(report, path))
+    except BaseException as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def _draw_throughput(report: dict[str, Any], path: Path) -> str | None:
+    """Draws the plot; None, or what went wrong."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as exc:
-        report["plot_skipped"] = f"matplotlib not importable ({type(exc).__name__}: {exc})"
-        return None
+        return f"matplotlib not importable ({type(exc).__name__}: {exc})"
     names = [c for c in report["config"]["contenders"] if report["contenders"][c]["skipped"] is None]
     workloads = report["workloads"]
     cols = 2 if len(workloads) > 1 else 1
@@ -1106,7 +1142,7 @@ def plot_throughput(report: dict[str, Any], path: Path) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path.name
+    return None
 
 
 # -- the run --------------------------------------------------------------------------------

@@ -33,6 +33,17 @@ class Range(Dataset[int]):
         return i
 
 
+class DrawingRange(Range):
+    """Item i is i, after a draw from each of the three global RNGs: cheap whatever
+    its length, yet every worker's RNG states move away from their seeds."""
+
+    def __getitem__(self, i: int) -> int:
+        random.random()
+        np.random.random_sample()
+        torch.rand(())
+        return super().__getitem__(i)
+
+
 class Augmented(Dataset[torch.Tensor]):
     """Item i is i followed by random "augmentations" drawn from all three global RNGs,
     gaussians included (so the cached second gaussian of ``random`` and NumPy matters)."""

@@ -224,17 +224,21 @@ class GatedIter(IterableDataset[dict[str, Any]]):
             yield _sample(i)
 
 
-def run_loader_child(conn: Any, fork: bool) -> None:
-    """Target of a child process that owns a loader with workers: reports the worker
-    pids through ``conn`` and then waits to be killed."""
+def run_loader_child(conn: Any) -> None:
+    """Target of a (forked) child process that owns a loader with forked workers and
+    has forked one more process (think: a logger) that inherited the main process's
+    ends of the workers' pipes. Sends ([worker pids], helper pid) through ``conn``, then
+    waits to be killed. When this process dies the workers see no end-of-file on their
+    task pipes (the helper holds them open): only their watchdog can end them."""
+    import multiprocessing
+
     from snaploader import DataLoader
 
-    loader = DataLoader(
-        GatedMap(64), batch_size=2, num_workers=2,
-        multiprocessing_context="fork" if fork else "spawn",
-    )
+    loader = DataLoader(GatedMap(64), batch_size=2, num_workers=2, multiprocessing_context="fork")
     it = iter(loader)
     next(it)
+    helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True)
+    helper.start()
     assert it.pool is not None
-    conn.send([w.pid for w in it.pool.workers if w is not None])
+    conn.send(([w.pid for w in it.pool.workers if w is not None], helper.pid))
     time.sleep(600)

@@ -14,6 +14,7 @@ multiple of the worker count) or ``sizes[worker]`` items for worker ``worker``
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -52,6 +53,28 @@ class PlainStream(IterableDataset[torch.Tensor]):
     def __iter__(self) -> Iterator[torch.Tensor]:
         for i in shard(self.n, self.sizes):
             yield sample(i)
+
+
+class PidStream(IterableDataset[torch.Tensor]):
+    """Sample ``i`` is ``[i, pid of the process that made it]``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in shard(self.n, None):
+            yield torch.tensor([i, os.getpid()])
+
+
+class MisreportedLength(PlainStream):
+    """:class:`PlainStream` whose ``__len__`` says ``reported`` samples."""
+
+    def __init__(self, n: int, reported: int) -> None:
+        super().__init__(n)
+        self.reported = reported
+
+    def __len__(self) -> int:
+        return self.reported
 
 
 class SlowWorkerStream(IterableDataset[torch.Tensor]):

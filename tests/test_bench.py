@@ -18,33 +18,13 @@ BENCH_PATH = Path(__file__).resolve().parents[1] / "stress" / "bench.py"
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+def bench() -> ModuleType:
     spec = importlib.util.spec_from_file_location("snaploader_bench", BENCH_PATH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up
     spec.loader.exec_module(module)
-    _warm_up_matplotlib(module, tmp_path_factory.mktemp("warm-up"))
     return module
-
-
-def _warm_up_matplotlib(bench: ModuleType, tmp: Path) -> None:
-    """matplotlib keeps the font files it has drawn with open; draw the benchmark's
-    plot once (linear and log panels) before the leak check's baseline, so that they
-    are not counted as a leak of the benchmark."""
-    def runs(bps: float) -> dict[str, Any]:
-        return {"throughput_bps": bps, "runs": [{"throughput_bps": bps}]}
-
-    report = {
-        "meta": {"cpus": 2},
-        "config": {"contenders": ["torch"]},
-        "contenders": {"torch": {"skipped": None}},
-        "workloads": {
-            "tiny": {"by_workers": {"0": {"torch": runs(5000.0)}, "2": {"torch": runs(50.0)}}},
-            "sleep": {"by_workers": {"0": {"torch": runs(90.0)}, "2": {"torch": runs(180.0)}}},
-        },
-    }
-    bench.plot_throughput(report, tmp / "warm-up.png")
 
 
 def tiny_config(bench: ModuleType) -> Any:

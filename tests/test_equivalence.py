@@ -24,7 +24,7 @@ from torch.utils.data import (
 
 import snaploader
 
-from ._datasets import Augmented, WorkerInfoProbe, draws_in_init, sum_collate
+from ._datasets import Augmented, Range, WorkerInfoProbe, draws_in_init, sum_collate
 from ._support import assert_same_stream, generator
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -162,8 +162,8 @@ def _sampler_cases() -> dict[str, Callable[[int], dict[str, Any]]]:
         "weighted": lambda s: dict(sampler=WeightedRandomSampler(weights(), n + 4, generator=generator(s))),
         "weighted_no_replacement": lambda s: dict(sampler=WeightedRandomSampler(weights(), n // 2, replacement=False, generator=generator(s))),
         "batch_sampler": lambda s: dict(batch_size=1, batch_sampler=BatchSampler(RandomSampler(range(n), generator=generator(s)), 4, drop_last=True)),
-        "distributed": lambda s: dict(sampler=DistributedSampler(range(n), num_replicas=3, rank=2, shuffle=True, seed=s, drop_last=False)),
-        "distributed_drop_last": lambda s: dict(sampler=DistributedSampler(range(n + 1), num_replicas=4, rank=1, shuffle=True, seed=s, drop_last=True)),
+        "distributed": lambda s: dict(sampler=DistributedSampler(Range(n), num_replicas=3, rank=2, shuffle=True, seed=s, drop_last=False)),
+        "distributed_drop_last": lambda s: dict(sampler=DistributedSampler(Range(n + 1), num_replicas=4, rank=1, shuffle=True, seed=s, drop_last=True)),
     }
 
 
@@ -274,8 +274,8 @@ def test_num_workers_0_and_the_training_loop_rng_do_not_disturb_each_other(given
         random.seed(1)
         np.random.seed(1)
         torch.manual_seed(1)
-        draws = []
-        batches = []
+        draws: list[Any] = []
+        batches: list[Any] = []
         if num_workers is None:  # the loop without any loader
             for _ in range(2 * 7):
                 draws.append(_loop_draws())

@@ -46,7 +46,7 @@ from snaploader import ReplayRefusedError, StateNotPlainDataError
 
 from . import _iterable_datasets as ids
 from ._iterable_child import build_loader
-from ._support import assert_same, assert_same_stream, mp_helpers, through_bytes  # noqa: F401
+from ._support import assert_same_stream, mp_helpers, through_bytes  # noqa: F401  (mp_helpers: a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -245,6 +245,24 @@ def test_no_workers_leaves_the_callers_dataset_alone() -> None:
     assert (dataset.pos, dataset.passes) == (0, 0)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_more_batches_than_len_warns_as_torch_does(workers: int) -> None:
+    # torch compares the batches yielded with len(dataset), here 2: batches 3 and 4 warn
+    dataset = ids.MisreportedLength(n=12, reported=2)
+
+    def length_warnings(cls: type[torch.utils.data.DataLoader]) -> list[str]:
+        loader = cls(dataset, batch_size=3, num_workers=workers, generator=torch.Generator().manual_seed(SEED))
+        assert len(loader) == 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert len(list(loader)) == 4
+        return [str(w.message) for w in caught if "was reported to be" in str(w.message)]
+
+    ours = length_warnings(snaploader.DataLoader)
+    assert len(ours) == 2
+    assert ours == length_warnings(torch.utils.data.DataLoader)
+
+
 # -- unequal shards: the order ---------------------------------------------------------
 
 
@@ -308,6 +326,15 @@ def test_resume_at_every_cut(kind: str, workers: int) -> None:
 @pytest.mark.parametrize("kind", ["PlainStream", "IteratorStateStream", "DatasetStateStream"])
 def test_persistent_workers_resume_at_every_cut(kind: str) -> None:
     check_every_cut(config(kind, 2, persistent_workers=True, replay="allow"))
+
+
+def test_persistent_workers_stay_the_same_processes() -> None:
+    # Each worker's last batch is short, and its prefetched tasks are still answered
+    # after it: the epoch's end must not cost a restart of the workers.
+    loader = snaploader.DataLoader(ids.PidStream(n=10), batch_size=3, num_workers=2, persistent_workers=True)
+    pids = [{int(pid) for batch in loader for pid in batch[:, 1]} for _ in range(3)]
+    assert len(pids[0]) == 2
+    assert pids[0] == pids[1] == pids[2]
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ class _SizedStream(_Stream):
         return 10
 
 
-_BAD = {
+_BAD: dict[str, Callable[[], dict[str, Any]]] = {
     "shuffle_with_sampler": lambda: dict(dataset=Range(8), shuffle=True, sampler=SequentialSampler(range(8))),
     "batch_sampler_with_batch_size": lambda: dict(dataset=Range(8), batch_size=2, batch_sampler=BatchSampler(range(8), 2, False)),
     "batch_sampler_with_shuffle": lambda: dict(dataset=Range(8), shuffle=True, batch_sampler=BatchSampler(range(8), 2, False)),
@@ -99,8 +99,9 @@ def test_bad_snaploader_options_raise_value_error() -> None:
         ("replay", None), ("max_worker_retries", -1), ("max_worker_retries", 2.0),
         ("max_worker_retries", False),
     ]:
+        kwargs: dict[str, Any] = {name: value}
         with pytest.raises(ValueError, match=name):
-            snaploader.DataLoader(Range(8), **{name: value})
+            snaploader.DataLoader(Range(8), **kwargs)
 
 
 def test_snaploader_options_reach_the_loader() -> None:
@@ -238,11 +239,6 @@ def test_deleted_loader_with_persistent_workers_leaves_no_process() -> None:
     assert not alive
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a persistent iterator and its loader reference each other: without the "
-    "cyclic gc, `del loader` leaves the workers running (torch stops them at once)",
-)
 def test_deleted_loader_with_persistent_workers_stops_them_without_gc() -> None:
     loader = snaploader.DataLoader(Range(10), batch_size=2, num_workers=2, persistent_workers=True)
     list(loader)

@@ -181,7 +181,7 @@ def test_stateful_and_epoch_aware_parts_are_found() -> None:
     stateful = StatefulSampler(5, 0)
     assert stateful_part(BatchSampler(stateful, 2, False)) is stateful
     assert stateful_part(BatchSampler(SequentialSampler(Range(5)), 2, False)) is None
-    dist = DistributedSampler(Range(5), num_replicas=2, rank=0)
+    dist: Any = DistributedSampler(Range(5), num_replicas=2, rank=0)
     assert epoch_aware_part(BatchSampler(dist, 2, False)) is dist
     assert epoch_aware_part(dist) is dist
     assert epoch_aware_part(BatchSampler(RandomSampler(Range(5)), 2, False)) is None

@@ -34,9 +34,13 @@ def _draws() -> list[Any]:
     ]
 
 
+def _np_state() -> Any:
+    return np.random.get_state(legacy=True)
+
+
 def _public_state() -> tuple[Any, ...]:
     py = random.getstate()
-    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    kind, keys, pos, has_gauss, gauss = _np_state()
     return py, (kind, keys.tolist(), pos, has_gauss, gauss), torch.get_rng_state().tolist()
 
 
@@ -77,10 +81,10 @@ def test_restore_sets_and_clears_the_cached_gaussians() -> None:
     random.gauss(0.0, 1.0)
     np.random.standard_normal()
     with_cache = capture_rng()
-    assert random.getstate()[2] is not None and np.random.get_state()[3] == 1
+    assert random.getstate()[2] is not None and _np_state()[3] == 1
     cached = random.gauss(0.0, 1.0), float(np.random.standard_normal())
     without_cache = capture_rng()  # both caches were just consumed
-    assert random.getstate()[2] is None and np.random.get_state()[3] == 0
+    assert random.getstate()[2] is None and _np_state()[3] == 0
 
     restore_rng(with_cache)
     assert (random.gauss(0.0, 1.0), float(np.random.standard_normal())) == cached
@@ -88,7 +92,7 @@ def test_restore_sets_and_clears_the_cached_gaussians() -> None:
     random.gauss(0.0, 1.0)  # fills the caches again
     np.random.standard_normal()
     restore_rng(without_cache)
-    assert random.getstate()[2] is None and np.random.get_state()[3] == 0
+    assert random.getstate()[2] is None and _np_state()[3] == 0
 
 
 def test_raw_access_is_active_and_agrees_with_the_public_api() -> None:

@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""Kill random workers at random moments; check that every epoch is bit for bit the
+uninterrupted one.
+
+    python stress/kill_workers.py --seconds 300      # a long run, for people
+    python stress/kill_workers.py --quick            # the CI variant (under a minute)
+
+Each *run* builds a loader with a randomly drawn configuration: dataset kind (map-style,
+iterable without a state protocol, iterable with one), persistent workers on or off,
+start method fork or spawn, 2 or 3 workers. It iterates a few epochs while a killer
+thread sends SIGKILL or SIGSEGV to a random live worker of that loader at random
+moments. Every epoch's batches (sample ids and a digest of every tensor byte) are
+compared with an uninterrupted reference run of the same configuration, computed first
+(under fork: the stream does not depend on the start method).
+
+Latency: for every kill, the time from the kill to the next batch the training loop
+receives, against the normal time between batches of the reference runs (reported per
+start method; a spawn respawn imports torch again, a fork respawn does not).
+
+Summary line (the last line of output):
+
+    runs=N kills=N failures=N leaks=N respawns=N respawn_latency_ms=... normal_batch_ms=...
+
+A failure is an epoch that differs from the reference or a run that raised; a leak is
+a child process, fd or /dev/shm entry left at the end. Exit status 1 on either.
+Workers' stderr (torch prints a line per SIGSEGV) goes to a log file named at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import functools
+import multiprocessing.resource_tracker
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from snaploader import DataLoader, WorkerRespawnedWarning  # noqa: E402
+from stress._datasets import KINDS, LeakCheck, fingerprint, make_dataset, quiet_worker  # noqa: E402
+
+# torch's advice when num_workers exceeds the CPU count: 3 workers on 2 cores is the point.
+warnings.filterwarnings("ignore", message="This DataLoader will create")
+
+_BATCH = 4
+_EPOCHS = 3
+_BATCH_TIMEOUT_S = 300  # a hang becomes a failure, not a stuck CI job
+_SIGNALS = (signal.SIGKILL, signal.SIGSEGV)
+
+
+@dataclass(frozen=True)
+class Config:
+    kind: str
+    persistent: bool
+    context: str
+    workers: int
+
+    def __str__(self) -> str:
+        return f"{self.kind:13} persistent={int(self.persistent)} {self.context:5} W={self.workers}"
+
+
+class Killer(threading.Thread):
+    """Sends SIGKILL or SIGSEGV to a random live worker of ``self.iterator`` every
+    ``gap_s`` (drawn per kill), until ``budget`` kills are spent (``run_budget`` in the
+    current run) or it is stopped. It kills only after the training loop has received
+    a batch since the last kill, so that a run always makes progress (a spawn respawn
+    that is killed again while importing torch would otherwise loop for minutes)."""
+
+    def __init__(self, rng: random.Random, budget: int) -> None:
+        super().__init__(daemon=True)
+        self.rng = rng
+        self.budget = budget
+        self.run_budget = budget
+        self.run_start = 0  # len(self.kills) when the current run began
+        self.iterator: Any = None
+        self.batches = 0  # batches the training loop has received, all runs
+        self.gap_s = (0.02, 0.25)
+        self.kills: list[tuple[float, int, str]] = []  # (monotonic time, pid, signal)
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        me = os.getpid()
+        seen = -1
+        while not self.stopping.wait(self.rng.uniform(*self.gap_s)):
+            if len(self.kills) >= self.budget or len(self.kills) - self.run_start >= self.run_budget:
+                continue
+            if self.batches == seen:
+                continue
+            pool = getattr(self.iterator, "pool", None)
+            if pool is None:
+                continue
+            pids = []
+            for worker in list(pool.workers):
+                try:
+                    pids.append(worker.pid)
+                except (AttributeError, ValueError, AssertionError):
+                    pass  # an empty slot, or a process object already closed
+            if not pids:
+                continue
+            pid = self.rng.choice(pids)
+            sig = self.rng.choice(_SIGNALS)
+            try:
+                # Only ever a live child of ours: never a recycled pid.
+                if psutil.Process(pid).ppid() != me or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    continue
+                os.kill(pid, sig)
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                continue
+            seen = self.batches
+            self.kills.append((time.monotonic(), pid, signal.Signals(sig).name))
+
+
+def make_loader(cfg: Config, n: int, delay_s: float, log_path: str) -> DataLoader:
+    return DataLoader(
+        make_dataset(cfg.kind, n, delay_s),
+        batch_size=_BATCH,
+        shuffle=cfg.kind == "map",
+        num_workers=cfg.workers,
+        worker_init_fn=functools.partial(quiet_worker, log_path),
+        multiprocessing_context=cfg.context,
+        generator=torch.Generator().manual_seed(1234),
+        persistent_workers=cfg.persistent,
+        timeout=_BATCH_TIMEOUT_S,
+        replay="allow",
+        max_worker_retries=1_000_000,  # the killer, not a poison sample: never give up
+    )
+
+
+def run_epochs(loader: DataLoader, epochs: int, killer: Killer | None, times: list[float]) -> list[list[str]]:
+    out: list[list[str]] = []
+    it = None
+    try:
+        for _ in range(epochs):
+            it = iter(loader)
+            if killer is not None:
+                killer.iterator = it
+            batches = []
+            for batch in it:
+                times.append(time.monotonic())
+                batches.append(fingerprint(batch))
+                if killer is not None:
+                    killer.batches += 1
+            out.append(batches)
+    finally:
+        if killer is not None:
+            killer.iterator = None
+        if it is not None:
+            it.close()
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=300.0, help="start no new run after this long")
+    parser.add_argument("--kills", type=int, default=1_000_000, help="stop killing after this many kills")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--samples", type=int, default=160)
+    parser.add_argument("--delay-ms", type=float, default=2.0, help="time to load one sample")
+    parser.add_argument("--spawn-share", type=float, default=0.25, help="fraction of runs under spawn")
+    parser.add_argument("--quick", action="store_true", help="the short bounded CI variant")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.samples = 25.0, 96
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
+    rng = random.Random(seed)
+    faulthandler.dump_traceback_later(args.seconds + 900, exit=True)  # never hang CI
+    print(f"kill_workers: seed={seed} seconds={args.seconds:g} samples={args.samples}", flush=True)
+
+    log_dir = tempfile.mkdtemp(prefix="snaploader-kill-workers-")
+    log_path = os.path.join(log_dir, "workers-stderr.log")
+    multiprocessing.resource_tracker.ensure_running()  # a lifelong helper, not a leak
+    baseline = LeakCheck()
+
+    references: dict[tuple[str, bool, int], list[list[str]]] = {}
+    normal_gaps: list[float] = []
+    latency: dict[str, list[float]] = {"fork": [], "spawn": []}
+    runs = kills = failures = respawns = 0
+    started = time.monotonic()
+    killer = Killer(rng, args.kills)
+    killer.start()
+    try:
+        while time.monotonic() - started < args.seconds and kills < args.kills:
+            spawn = (runs == 0) if args.quick else rng.random() < args.spawn_share
+            cfg = Config(
+                kind=rng.choice(KINDS),
+                persistent=rng.random() < 0.5,
+                context="spawn" if spawn else "fork",
+                workers=2 if args.quick else rng.choice((2, 3)),
+            )
+            key = (cfg.kind, cfg.persistent, cfg.workers)
+            if key not in references:
+                ref_times: list[float] = []
+                reference_cfg = Config(cfg.kind, cfg.persistent, "fork", cfg.workers)
+                references[key] = run_epochs(make_loader(reference_cfg, args.samples, args.delay_ms / 1000, log_path), _EPOCHS, None, ref_times)
+                normal_gaps += [b - a for a, b in zip(ref_times, ref_times[1:]) if b > a]
+            # A spawn respawn takes seconds: kill less often there.
+            killer.gap_s = (0.5, 3.0) if spawn else (0.02, 0.25)
+            killer.run_budget = 2 if args.quick and spawn else args.kills
+            before = killer.run_start = len(killer.kills)
+            times: list[float] = []
+            run_started = time.monotonic()
+            problem = ""
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    got = run_epochs(make_loader(cfg, args.samples, args.delay_ms / 1000, log_path), _EPOCHS, killer, times)
+                    for epoch, (a, b) in enumerate(zip(got, references[key])):
+                        if a != b:
+                            k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                            problem = (f"epoch {epoch} differs at batch {k}: "
+                                       f"{a[k] if k < len(a) else 'END'} vs {b[k] if k < len(b) else 'END'}")
+                            break
+                except Exception:
+                    problem = traceback.format_exc()
+            run_kills = killer.kills[before:]
+            kills += len(run_kills)
+            run_respawns = sum(issubclass(w.category, WorkerRespawnedWarning) for w in caught)
+            respawns += run_respawns
+            for t_kill, _, _ in run_kills:
+                later = [t for t in times if t > t_kill]
+                if later:
+                    latency[cfg.context].append(later[0] - t_kill)
+            runs += 1
+            failures += bool(problem)
+            status = "ok" if not problem else "FAIL " + problem
+            print(f"run {runs:3}: {cfg}  kills={len(run_kills):3} respawns={run_respawns:3} "
+                  f"{time.monotonic() - run_started:5.1f}s  {status}", flush=True)
+    finally:
+        killer.stopping.set()
+        killer.join()
+    leaks = baseline.leaks()
+    for leak in leaks:
+        print(f"leak: {leak}")
+
+    def ms(values: list[float]) -> str:
+        if not values:
+            return "n/a"
+        return f"{1000 * statistics.median(values):.0f}/{1000 * percentile(values, 0.9):.0f}"
+
+    print(f"worker stderr: {log_path}")
+    print(f"respawn latency = time from a kill to the next batch, median/p90 in ms; "
+          f"normal batch = median time between batches of the uninterrupted runs")
+    print(f"runs={runs} kills={kills} failures={failures} leaks={len(leaks)} respawns={respawns} "
+          f"respawn_latency_ms=fork:{ms(latency['fork'])},spawn:{ms(latency['spawn'])} "
+          f"normal_batch_ms={1000 * statistics.median(normal_gaps) if normal_gaps else float('nan'):.1f}",
+          flush=True)
+    return 1 if failures or leaks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
