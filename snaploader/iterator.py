@@ -24,6 +24,9 @@
 from __future__ import annotations
 
 import pickle
+import contextlib
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -79,6 +82,19 @@ _NEVER_STARTED: Final = (
     "stderr above says why; under spawn or forkserver the main module must be "
     "importable and guard its code with if __name__ == '__main__'"
 )
+
+_PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first caller outside
+    snaploader (the user's ``iter()`` or ``next()``), however deep we are."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 @dataclass(frozen=True)
@@ -161,6 +177,7 @@ class SnapIterator:
         self.closed = False
         self.crashes: dict[tuple[int, int, int | None], int] = {}  # (epoch, slot, batch)
         self.progress: EpochProgress
+        self.plan: IndexPlan | None = None
         self.start_epoch(start)
 
     # -- epoch start ----------------------------------------------------------------
@@ -173,54 +190,53 @@ class SnapIterator:
         if start.sampler_epoch is not None and sampler_with_epoch is not None:
             sampler_with_epoch.set_epoch(start.sampler_epoch)
         source = self.rng_source
-        plan: IndexPlan | None = None
-        base_seed = start.base_seed
-        if start.restore_rng is not None:
-            rng_start = start.restore_rng
-            with source.replaying(rng_start):
-                if start.draw_base_seed:
-                    drawn = source.draw_base_seed()
-                    if base_seed is not None and drawn != base_seed:
-                        raise RuntimeError(
-                            f"restoring epoch {start.epoch}: the generator state in the "
-                            f"checkpoint gives base seed {drawn}, the checkpoint says "
-                            f"{base_seed}; the checkpoint was edited or is corrupt"
-                        )
-                    base_seed = drawn
-                if not self.iterable:
-                    plan = IndexPlan(loader._index_sampler, start.yielded, start.sampler_state)
-        else:
-            rng_start = source.get_state()
+        restoring = start.restore_rng is not None
+        rng_start = start.restore_rng if start.restore_rng is not None else source.get_state()
+        replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
+        with replaying:
+            base_seed = start.base_seed
             if start.draw_base_seed or base_seed is None:
                 base_seed = source.draw_base_seed()
+                if restoring and start.base_seed is not None and base_seed != start.base_seed:
+                    raise RuntimeError(
+                        f"restoring epoch {start.epoch}: the generator state in the "
+                        f"checkpoint gives base seed {base_seed}, the checkpoint says "
+                        f"{start.base_seed}; the checkpoint was edited or is corrupt"
+                    )
+            ledgers = start.workers or [WorkerLedger() for _ in range(self.slots_count)]
+            self.progress = EpochProgress(
+                epoch=start.epoch,
+                rng_kind=source.kind,
+                rng_start=rng_start,
+                base_seed=base_seed,
+                drew_base_seed=start.draw_base_seed,
+                workers=ledgers,
+                yielded=start.yielded,
+                turn=start.turn,
+                sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
+                plan_skip=start.yielded,
+            )
+            self._ready_workers(base_seed)
+            # The sampler draws after the workers exist, as in torch: forked workers then
+            # do not each inherit a copy of the epoch's index list.
             if not self.iterable:
-                plan = IndexPlan(loader._index_sampler)
-        assert base_seed is not None
-        ledgers = start.workers or [WorkerLedger() for _ in range(self.slots_count)]
-        self.progress = EpochProgress(
-            epoch=start.epoch,
-            rng_kind=source.kind,
-            rng_start=rng_start,
-            base_seed=base_seed,
-            drew_base_seed=start.draw_base_seed,
-            workers=ledgers,
-            yielded=start.yielded,
-            turn=start.turn,
-            sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
-            plan_skip=start.yielded,
-            plan=plan,
-        )
+                self.plan = IndexPlan(loader._index_sampler, start.yielded, start.sampler_state)
+            else:
+                self.plan = None
+        self.progress.plan = self.plan
+        self.plan_done = self.plan is None
+        self.dispatched = start.yielded
+        self._dispatch()
+
+    def _ready_workers(self, base_seed: int) -> None:
+        """Start the workers (or reuse persistent ones) and position each for the epoch."""
         # Persistent workers still busy with an abandoned epoch would answer old tasks
         # first; start them afresh from the ledger instead.
         busy = any(slot.outstanding or slot.failed for slot in getattr(self, "slots", ()))
-        self.plan = plan
-        self.plan_done = plan is None
-        self.dispatched = start.yielded
         self.slots = [_Slot() for _ in range(self.slots_count)]
         self._warn_or_refuse_replay()
         no_workers = self.pool is None and self.inline is None
-        fresh_workers = busy or no_workers or self.base_seed != base_seed
-        if fresh_workers:
+        if busy or no_workers or self.base_seed != base_seed:
             self._stop_workers()
             self.base_seed = base_seed
             self._start_workers()
@@ -229,7 +245,6 @@ class SnapIterator:
             # worker respawned last epoch cannot drift from the ledger.
             for slot in range(self.slots_count):
                 self._send(slot, self._resume_message(slot))
-        self._dispatch()
 
     def _warn_or_refuse_replay(self) -> None:
         # Once per restore: only a restored epoch start has workers mid-epoch. A refusal
@@ -242,8 +257,7 @@ class SnapIterator:
         if refused:
             raise ReplayRefusedError(message)
         if self.loader.replay == "warn":
-            # stack: here, start_epoch, SnapIterator.__init__, DataLoader.__iter__, user
-            warnings.warn(message, UserWarning, stacklevel=5)
+            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
 
     def _setup(self) -> WorkerSetup:
         loader = self.loader
@@ -493,7 +507,7 @@ class SnapIterator:
             f"respawned as pid {new.pid} from its snapshot, retry {self.crashes[key]} of "
             f"{retries}",
             WorkerRespawnedWarning,
-            stacklevel=2,
+            stacklevel=_user_stacklevel(),
         )
 
     def _describe_batch(self, task: Task | None) -> str:
@@ -549,7 +563,7 @@ class SnapIterator:
                 "IterableDataset replica at each worker. Please see "
                 "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
             )
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=_user_stacklevel())
 
     def _next_result(self) -> tuple[Task, Result] | None:
         progress = self.progress

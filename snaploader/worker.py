@@ -22,6 +22,7 @@ with the main process's RNG states swapped out around each call (``iterator.py``
 from __future__ import annotations
 
 import copy
+import io
 import os
 import pickle
 import signal
@@ -30,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Final
 
 import cloudpickle
@@ -368,6 +370,43 @@ def replay_message(dataset: Any, replays: list[int], *, refused: bool) -> str:
 
 # -- the worker process ---------------------------------------------------------------
 
+# NOTE [ small tensors by value ]
+# torch shares a CPU tensor between processes by passing a file descriptor: the main
+# process connects to a listener in the worker and authenticates, per tensor. That
+# costs far more than copying a small tensor, so tensors up to this size travel inside
+# the message. A result sent that way is also complete by itself: it stays readable
+# even if its worker dies right after sending it.
+_BY_VALUE_MAX_BYTES: Final = 256 * 1024
+
+
+def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+
+
+class _ResultPickler(ForkingPickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not obj.requires_grad
+            and obj.nbytes <= _BY_VALUE_MAX_BYTES
+        ):
+            flat = obj.detach().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def dumps_result(result: Result) -> bytes:
+    """Pickle a result for the result pipe (see NOTE [ small tensors by value ])."""
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(result)
+    return buffer.getvalue()
+
+
 
 def worker_main(
     setup: WorkerSetup | bytes,
@@ -432,7 +471,7 @@ def worker_main(
         result = runtime.run(msg)
         drain()  # so the main process never blocks sending us a task while we send
         try:
-            result_conn.send(result)
+            result_conn.send_bytes(dumps_result(result))
         except (BrokenPipeError, ConnectionResetError):
             return
         except Exception as exc:  # the batch could not be pickled

@@ -177,6 +177,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=160)
     parser.add_argument("--delay-ms", type=float, default=2.0, help="time to load one sample")
     parser.add_argument("--spawn-share", type=float, default=0.25, help="fraction of runs under spawn")
+    parser.add_argument("--only", metavar="KIND,PERSISTENT,CONTEXT,WORKERS",
+                        help="one configuration for every run, e.g. map,1,spawn,2")
     parser.add_argument("--quick", action="store_true", help="the short bounded CI variant")
     args = parser.parse_args()
     if args.quick:
@@ -207,6 +209,10 @@ def main() -> int:
                 context="spawn" if spawn else "fork",
                 workers=2 if args.quick else rng.choice((2, 3)),
             )
+            if args.only:
+                kind, persistent, context, workers = args.only.split(",")
+                cfg = Config(kind, persistent == "1", context, int(workers))
+                spawn = context != "fork"
             key = (cfg.kind, cfg.persistent, cfg.workers)
             if key not in references:
                 ref_times: list[float] = []
@@ -245,6 +251,12 @@ def main() -> int:
             status = "ok" if not problem else "FAIL " + problem
             print(f"run {runs:3}: {cfg}  kills={len(run_kills):3} respawns={run_respawns:3} "
                   f"{time.monotonic() - run_started:5.1f}s  {status}", flush=True)
+            if problem:
+                for t_kill, pid, sig in run_kills:
+                    print(f"  killed pid {pid} with {sig} at {t_kill - run_started:.2f}s")
+                said = [str(w.message) for w in caught if issubclass(w.category, WorkerRespawnedWarning)]
+                for message in said[:5] + (["..."] + said[-3:] if len(said) > 8 else said[5:]):
+                    print(f"  warning: {message}")
     finally:
         killer.stopping.set()
         killer.join()
