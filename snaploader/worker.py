@@ -26,6 +26,8 @@ import io
 import os
 import pickle
 import signal
+import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -439,6 +441,20 @@ def worker_main(
     parent = psutil.Process(parent_pid)
     pending: deque[Any] = deque()
 
+    def orphaned() -> bool:
+        return os.getppid() != spawner_pid or not parent.is_running()
+
+    def watchdog() -> None:
+        # The loop below checks too, but only while idle: a send can block for good on
+        # a full result pipe whose read end outlives the main process (held by another
+        # process it forked), and dataset code can block too. This thread cannot.
+        while True:
+            time.sleep(_WATCHDOG_INTERVAL_S)
+            if orphaned():
+                os._exit(0)
+
+    threading.Thread(target=watchdog, name="snaploader-watchdog", daemon=True).start()
+
     def drain() -> bool:
         """Move every waiting message into ``pending``; False on end-of-file."""
         try:
@@ -455,7 +471,7 @@ def worker_main(
             except (EOFError, OSError):
                 return
             if not ready:
-                if os.getppid() != spawner_pid or not parent.is_running():
+                if orphaned():
                     return
                 continue
         if not drain() and not pending:

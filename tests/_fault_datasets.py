@@ -97,11 +97,18 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# A batch of 3 "big" entries (288 KB) is over snaploader's by-value limit (256 KB), so
+# it travels through shared memory by file descriptor, the path where a result can be
+# lost with its sender (see NOTE [ small tensors by value ] in snaploader/worker.py).
+_BIG_ITEMS = 24_000  # float32
+
+
 def _sample(i: int) -> dict[str, Any]:
     # Augmentations from all three global RNGs, so a respawned worker that did not
     # restore its RNG state would change the stream.
     return {
         "index": torch.tensor(i),
+        "big": torch.full((_BIG_ITEMS,), float(i)),
         "noise": torch.rand(3),
         "np": torch.from_numpy(np.random.rand(2)),
         "py": torch.tensor(random.random(), dtype=torch.float64),
