@@ -207,9 +207,10 @@ _TORCH_WORDS_AT: Final = 24  # seed (8), left (4), seeded (4), next (8)
 _TORCH_WORDS_END: Final = _TORCH_WORDS_AT + _MT_WORDS * 8
 
 
-def _pack_torch(state: bytes) -> bytes:
-    words = np.frombuffer(state, dtype="<u4", count=2 * _MT_WORDS, offset=_TORCH_WORDS_AT)
-    return state[:_TORCH_WORDS_AT] + words[0::2].tobytes() + state[_TORCH_WORDS_END:]
+def _pack_torch(state: bytes | np.ndarray) -> bytes:
+    raw = np.frombuffer(state, dtype=np.uint8) if isinstance(state, bytes) else state
+    words = raw[_TORCH_WORDS_AT:_TORCH_WORDS_END].view("<u4")[0::2]
+    return raw[:_TORCH_WORDS_AT].tobytes() + words.tobytes() + raw[_TORCH_WORDS_END:].tobytes()
 
 
 def _unpack_torch(packed: bytes) -> bytes:
@@ -256,6 +257,17 @@ def _parts(full: bytes) -> tuple[bytes, bytes, bytes]:
     return full[:_PY_BLOB], full[_PY_BLOB : 2 * _PY_BLOB], full[2 * _PY_BLOB :]
 
 
+_seed_cache: tuple[bytes, tuple[bytes, bytes, bytes]] = (b"", (b"", b"", b""))
+
+
+def _seed_parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
+    # A worker passes the same seed object after every batch: split it once.
+    global _seed_cache
+    if _seed_cache[0] is not seed:
+        _seed_cache = (seed, _parts(seed[1:]))
+    return _seed_cache[1]
+
+
 def capture_rng(seed: bytes | None = None) -> bytes:
     """The three global RNG states of this process, encoded as one bytes object.
 
@@ -263,11 +275,12 @@ def capture_rng(seed: bytes | None = None) -> bytes:
     state is written as a flag, not 2.5 KB: most datasets draw from one generator or
     none, and their snapshots and checkpoints shrink accordingly.
     """
-    torch_state = pack_torch_state(torch.get_rng_state().numpy().tobytes())
+    torch_raw = torch.get_rng_state().numpy()
+    torch_state = _pack_torch(torch_raw) if _TORCH_PACKED else torch_raw.tobytes()
     parts = (_python_rng.read(), _numpy_rng.read(), torch_state)
     if seed is None:
         return b"\x00" + b"".join(parts)
-    seed_parts = _parts(seed[1:])
+    seed_parts = _seed_parts(seed)
     flags = 0
     kept = []
     for bit, (part, seeded) in enumerate(zip(parts, seed_parts)):
@@ -285,7 +298,7 @@ def restore_rng(blob: bytes, seed: bytes | None = None) -> None:
     if flags:
         if seed is None:
             raise ValueError("this RNG state was captured relative to a seed state; pass it")
-        seed_parts = _parts(seed[1:])
+        seed_parts = _seed_parts(seed)
         parts = []
         for bit, size in enumerate((_PY_BLOB, _PY_BLOB, None)):
             if flags & (1 << bit):
