@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import psutil
 import pytest
+import torch
 
 _SETTLE_S = 10.0
 
@@ -59,3 +62,13 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         problems.append(f"/dev/shm entries left: {sorted(extra_shm)}")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def keep_global_rngs() -> Iterator[None]:
+    """For tests that scramble the global RNGs: put them back for later tests."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
+    torch.set_rng_state(saved[2])

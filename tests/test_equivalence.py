@@ -85,13 +85,7 @@ def _compare(make: Factory, epochs: int = 2, global_seed: int | None = None,
     return loader
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rngs() -> Any:
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(saved[0])
-    np.random.set_state(saved[1])
-    torch.set_rng_state(saved[2])
+pytestmark = pytest.mark.usefixtures("keep_global_rngs")
 
 
 _configs = st.fixed_dictionaries(

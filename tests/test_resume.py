@@ -102,13 +102,7 @@ def _check(ref: Reference, cut: Cut, got: dict[str, Any]) -> None:
     assert got["global_untouched"], where
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rngs() -> Any:
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(saved[0])
-    np.random.set_state(saved[1])
-    torch.set_rng_state(saved[2])
+pytestmark = pytest.mark.usefixtures("keep_global_rngs")
 
 
 def _config(**kwargs: Any) -> dict[str, Any]:

@@ -44,14 +44,7 @@ def _public_state() -> tuple[Any, ...]:
     return py, (kind, keys.tolist(), pos, has_gauss, gauss), torch.get_rng_state().tolist()
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rngs() -> Any:
-    """These tests scramble the global RNGs; put them back for later tests."""
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(saved[0])
-    np.random.set_state(saved[1])
-    torch.set_rng_state(saved[2])
+pytestmark = pytest.mark.usefixtures("keep_global_rngs")
 
 
 @settings(max_examples=25, deadline=None)
