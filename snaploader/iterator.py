@@ -388,11 +388,7 @@ class SnapIterator:
                 self.close()
                 raise state.failed
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            readable, exited = self.pool.wait(wait_s)
-            for worker in readable:
-                self._receive(worker)
-            for worker in exited:
-                self._on_death(worker)
+            self._pump(wait_s)
             if not state.received and deadline is not None and time.monotonic() >= deadline:
                 waited = self.pool.workers[slot]
                 pid = waited.pid if waited is not None else "?"
@@ -403,6 +399,15 @@ class SnapIterator:
                     f"{self.progress.epoch}; raise timeout= or make the dataset faster"
                 )
         return state.received.popleft()
+
+    def _pump(self, wait_s: float | None) -> None:
+        """Wait up to ``wait_s`` for results or deaths, and handle what came."""
+        assert self.pool is not None
+        readable, exited = self.pool.wait(wait_s)
+        for worker in readable:
+            self._receive(worker)
+        for worker in exited:
+            self._on_death(worker)
 
     def _accept(self, slot: int, result: Result) -> None:
         state = self.slots[slot]
@@ -617,11 +622,7 @@ class SnapIterator:
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 return  # start_epoch restarts them from the ledger: slower, still exact
-            readable, exited = self.pool.wait(left_s)
-            for worker in readable:
-                self._receive(worker)
-            for worker in exited:
-                self._on_death(worker)
+            self._pump(left_s)
 
     # -- state and shutdown --------------------------------------------------------
 
