@@ -12,7 +12,7 @@ loader.load_state_dict(torch.load(path, weights_only=True)["loader"])
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
-from .errors import (
+from ._errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
     ReplayRefusedError,
@@ -20,7 +20,7 @@ from .errors import (
     WorkerCrashedError,
     WorkerRespawnedWarning,
 )
-from .loader import DataLoader
+from ._loader import DataLoader
 
 __all__ = [
     "CheckpointFormatError",

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .errors import WorkerRespawnedWarning
+from ._errors import WorkerRespawnedWarning
 
 _ITEMS = 96
 _BATCH = 8

@@ -570,8 +570,9 @@ def _snapshot_child(conn: Any, name: str, batch_size: int, compute_rounds: int, 
     try:
         import pickle
 
-        from snaploader.snapshot import capture_rng
-        from snaploader.worker import Task, WorkerRuntime, WorkerSetup
+        from snaploader._protocol import Task, WorkerSetup
+        from snaploader._rng import capture_rng
+        from snaploader._worker import WorkerRuntime
 
         torch.set_num_threads(1)
         dataset = make_dataset(name, 64 * batch_size, compute_rounds)
@@ -587,7 +588,7 @@ def _snapshot_child(conn: Any, name: str, batch_size: int, compute_rounds: int, 
             base_seed=12345,
             state_every=1,
         )
-        runtime = WorkerRuntime(setup, 0, copy_state=False)
+        runtime = WorkerRuntime(setup, 0, in_main_process=False)
         runtime.initialize()
         batch_s = []
         for k in range(16):
@@ -618,7 +619,7 @@ def _snapshot_child(conn: Any, name: str, batch_size: int, compute_rounds: int, 
                 "capture_rng_us": _median(cap_us),
                 "batch_us": _median([s * 1e6 for s in batch_s]),
                 "snapshot_pickled_bytes": len(pickle.dumps(snapshot)),
-                "rng_bytes": len(snapshot.rng),
+                "rng_bytes": len(snapshot.rng),  # type: ignore[arg-type]
             }
         )
     except BaseException as exc:  # report it; the parent raises

@@ -101,15 +101,11 @@ class Killer(threading.Thread):
                 continue
             if self.batches == seen:
                 continue
-            pool = getattr(self.iterator, "pool", None)
-            if pool is None:
-                continue
-            pids = []
-            for worker in list(pool.workers):
-                try:
-                    pids.append(worker.pid)
-                except (AttributeError, ValueError, AssertionError):
-                    pass  # an empty slot, or a process object already closed
+            iterator = self.iterator
+            try:
+                pids = [] if iterator is None else iterator.worker_pids
+            except (AttributeError, ValueError, RuntimeError):
+                pids = []  # between iterators, or a process object already closed
             if not pids:
                 continue
             pid = self.rng.choice(pids)

@@ -246,6 +246,5 @@ def run_loader_child(conn: Any) -> None:
     next(it)
     helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True)
     helper.start()
-    assert it.pool is not None
-    conn.send(([w.pid for w in it.pool.workers if w is not None], helper.pid))
+    conn.send((it.worker_pids, helper.pid))
     time.sleep(600)

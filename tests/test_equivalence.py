@@ -23,6 +23,7 @@ from torch.utils.data import (
 )
 
 import snaploader
+from snaploader._iterator import SnapIterator
 
 from ._datasets import Augmented, Range, WorkerInfoProbe, draws_in_init, sum_collate
 from ._support import assert_same_stream, generator
@@ -35,9 +36,9 @@ _NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 
 
 def _worker_pids(iterator: Any) -> frozenset[int]:
-    pool = getattr(iterator, "pool", None)  # snaploader's; torch's has _workers
-    workers = pool.workers if pool is not None else getattr(iterator, "_workers", [])
-    return frozenset(w.pid for w in workers if w is not None)
+    if isinstance(iterator, SnapIterator):
+        return frozenset(iterator.worker_pids)
+    return frozenset(w.pid for w in getattr(iterator, "_workers", []))  # torch's
 
 
 def _run(
@@ -135,7 +136,7 @@ def test_matches_torch(config: dict[str, Any]) -> None:
     iterator = iter(loader)
     next(iterator)
     batches = len(loader)
-    assert iterator.prefetch == prefetch
+    assert iterator.settings.prefetch == prefetch
     assert iterator.dispatched == min(batches, 1 + prefetch * config["num_workers"])
     del iterator
 

@@ -37,7 +37,7 @@ from . import _fault_datasets as fds
 from ._support import assert_same_stream as assert_same_batches
 from ._support import mp_helpers  # noqa: F401  (a fixture)
 from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning
-from snaploader.iterator import SnapIterator
+from snaploader._iterator import SnapIterator
 
 N = 20  # samples
 BATCH = 3
@@ -335,9 +335,8 @@ def test_worker_killed_while_main_waits(tmp_path: Path, context: str, kind: str)
     failed = position_of(want, item)
     it = iter(loader)
     got = [next(it) for _ in range(failed)]
-    assert it.pool is not None
     worker = failed % WORKERS if kind == "gated_map" else item % WORKERS
-    pid = it.pool.workers[worker].pid  # type: ignore[union-attr]
+    pid = it.worker_pids[worker]
 
     def kill_then_open() -> None:
         time.sleep(0.2)  # let the main process block in next()
@@ -370,10 +369,10 @@ def test_idle_worker_killed_while_main_waits_is_detected(tmp_path: Path, context
     loader = make_loader(fds.GatedMap(n, last[0], str(gate)), context, True)
     it = iter(loader)
     got = [next(it) for _ in range(n_batches - 1)]
-    assert it.pool is not None and it.dispatched == n_batches
+    assert it.dispatched == n_batches
     waited = (n_batches - 1) % WORKERS
     idle = 1 - waited
-    pid = it.pool.workers[idle].pid  # type: ignore[union-attr]
+    pid = it.worker_pids[idle]
     os.kill(pid, signal.SIGKILL)
     record = _GateOnWarning(gate)
     # A fallback so that a missed death fails the test instead of hanging it.
@@ -402,14 +401,12 @@ def test_persistent_worker_killed_between_epochs(context: str, kind: str) -> Non
     it = iter(loader)
     try:
         first = list(it)
-        assert it.pool is not None
-        pids = [w.pid for w in it.pool.workers if w is not None]
+        pids = it.worker_pids
         os.kill(pids[0], signal.SIGKILL)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             second = list(iter(loader))
-        assert it.pool is not None
-        assert it.pool.workers[0].pid != pids[0]  # type: ignore[union-attr]
+        assert it.worker_pids[0] != pids[0]
     finally:
         it.close()
     assert_same_stream([first, second], want)

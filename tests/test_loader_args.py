@@ -5,6 +5,8 @@ and cleanup when iterators and loaders go away."""
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import random
 import warnings
 from collections.abc import Callable
@@ -142,9 +144,8 @@ def test_timeout_raises_when_a_worker_is_too_slow() -> None:
     assert next(iterator).tolist() == [0, 1]
     with pytest.raises(RuntimeError, match="timed out"):
         next(iterator)
-    for worker in iterator.pool.workers:  # type: ignore[union-attr]
-        assert worker is not None
-        worker.process.kill()  # rather than waiting for it to wake up
+    for pid in iterator.worker_pids:
+        os.kill(pid, signal.SIGKILL)  # rather than waiting for it to wake up
     del iterator
 
 
@@ -182,7 +183,8 @@ def test_lambdas_work_under_spawn_and_forkserver(context: str) -> None:
     )
     assert loader.multiprocessing_context.get_start_method() == context
     iterator = iter(loader)
-    assert iterator.pool is not None and iterator.pool.context.get_start_method() == context
+    assert iterator.runner is not None
+    assert iterator.runner.pool.context.get_start_method() == context  # type: ignore[attr-defined]
     got = list(iterator)
     del iterator
     rng = random.Random(1000)
@@ -219,7 +221,7 @@ def test_abandoned_iterator_leaves_no_process() -> None:
     loader = snaploader.DataLoader(Sleepy(40, sleep_from=40, sleep_s=0), batch_size=2, num_workers=2)
     iterator = iter(loader)
     take(iterator, 3)
-    workers = [psutil.Process(w.pid) for w in iterator.pool.workers if w is not None]  # type: ignore[union-attr]
+    workers = [psutil.Process(pid) for pid in iterator.worker_pids]
     assert len(workers) == 2 and all(w.is_running() for w in workers)
     del iterator
     _, alive = psutil.wait_procs(workers, timeout=10)
@@ -231,7 +233,7 @@ def test_deleted_loader_with_persistent_workers_leaves_no_process() -> None:
     list(loader)
     iterator = iter(loader)
     take(iterator, 1)
-    workers = [psutil.Process(w.pid) for w in iterator.pool.workers if w is not None]  # type: ignore[union-attr]
+    workers = [psutil.Process(pid) for pid in iterator.worker_pids]
     assert len(workers) == 2
     del iterator, loader
     gc.collect()
@@ -241,8 +243,10 @@ def test_deleted_loader_with_persistent_workers_leaves_no_process() -> None:
 
 def test_deleted_loader_with_persistent_workers_stops_them_without_gc() -> None:
     loader = snaploader.DataLoader(Range(10), batch_size=2, num_workers=2, persistent_workers=True)
-    list(loader)
-    workers = [psutil.Process(w.pid) for w in loader._persistent_iter.pool.workers if w is not None]  # type: ignore[union-attr]
+    iterator = iter(loader)
+    workers = [psutil.Process(pid) for pid in iterator.worker_pids]
+    list(iterator)
+    del iterator
     gc.disable()
     try:
         del loader

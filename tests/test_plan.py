@@ -20,7 +20,8 @@ from torch.utils.data import (
 )
 
 import snaploader
-from snaploader.plan import IndexPlan, RngSource, epoch_aware_part, stateful_part
+from snaploader._plan import IndexPlan, epoch_aware_part, stateful_part
+from snaploader._rng import RngSource
 
 from ._datasets import PlainBatchSampler, Range, StatefulSampler
 

@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 import snaploader
 from snaploader import StateNotPlainDataError
-from snaploader import snapshot
-from snaploader.snapshot import RAW_RNG_ACCESS, Snapshot, capture_rng, check_plain, restore_rng
+from snaploader import _rng as snapshot
+from snaploader._checkpoint import check_plain, snapshot_from_plain, snapshot_to_plain
+from snaploader._protocol import Snapshot
+from snaploader._rng import RAW_RNG_ACCESS, capture_rng, restore_rng
 
 from ._datasets import Range
 
@@ -120,9 +122,9 @@ def test_capture_is_compact_bytes() -> None:
 
 def test_snapshot_plain_round_trip() -> None:
     snap = Snapshot(capture_rng(), 7, {"pos": 3, "t": torch.arange(3)}, "dataset", True, False)
-    plain = snap.to_plain()
+    plain = snapshot_to_plain(snap)
     check_plain(plain, "snapshot")
-    back = Snapshot.from_plain(plain)
+    back = snapshot_from_plain(plain)
     assert back.rng == snap.rng and back.produced == 7 and back.data_owner == "dataset"
     assert back.complete and not back.exhausted and torch.equal(back.data["t"], torch.arange(3))
 

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, RandomSampler
 
 import snaploader
 from snaploader import CheckpointFormatError, CheckpointMismatchError
-from snaploader.pool import Pool, WorkerProcess
+from snaploader._pool import Pool, WorkerProcess
 
 from ._datasets import DrawingRange, Range, Sleepy
 from ._support import assert_same_stream, generator, take, through_bytes
@@ -129,14 +129,14 @@ def test_state_dict_does_not_touch_workers(monkeypatch: pytest.MonkeyPatch) -> N
     got = take(iterator, 3)
     before = loader.state_dict()
     with monkeypatch.context() as patch:
-        for name in ("wait", "start", "discard", "shutdown", "kill"):
+        for name in ("wait", "start", "discard", "shutdown"):
             patch.setattr(Pool, name, _forbid)
         patch.setattr(WorkerProcess, "send", _forbid)
         for name in ("send", "recv", "poll", "send_bytes", "recv_bytes"):
-            patch.setattr(type(iterator.pool.workers[0].result), name, _forbid)  # type: ignore[union-attr]
+            patch.setattr(type(iterator.runner.pool.workers[0].result), name, _forbid)  # type: ignore[union-attr]
         state = loader.state_dict()
         # even with every worker gone, the state is there and unchanged
-        for worker in iterator.pool.workers:  # type: ignore[union-attr]
+        for worker in iterator.runner.pool.workers:  # type: ignore[union-attr]
             assert worker is not None
             os.kill(worker.pid, signal.SIGKILL)
             worker.process.join(10)
@@ -160,7 +160,7 @@ def test_state_dict_taken_while_workers_sleep(monkeypatch: pytest.MonkeyPatch) -
         state = loader.state_dict()
     assert state["yielded"] == 2
     assert [ledger["yielded"]["produced"] for ledger in state["workers"]] == [1, 1]
-    for worker in iterator.pool.workers:  # type: ignore[union-attr]
+    for worker in iterator.runner.pool.workers:  # type: ignore[union-attr]
         assert worker is not None and worker.process.is_alive()
         worker.process.kill()  # rather than waiting for them to wake up
     del iterator

@@ -7,8 +7,7 @@ import pickle
 import pytest
 import torch
 
-from snaploader.snapshot import Snapshot
-from snaploader.worker import BATCH, Result, dumps_result
+from snaploader._protocol import Kind, Result, Snapshot, dumps_result
 
 CASES = [
     torch.arange(12, dtype=torch.float32).reshape(3, 4),
@@ -24,7 +23,7 @@ CASES = [
 
 @pytest.mark.parametrize("tensor", CASES, ids=lambda t: f"{t.dtype}-{tuple(t.shape)}")
 def test_small_tensors_round_trip_by_value(tensor: torch.Tensor) -> None:
-    result = Result(7, BATCH, {"x": tensor, "y": [tensor, 1]}, Snapshot(b"\x00", 1))
+    result = Result(7, Kind.BATCH, {"x": tensor, "y": [tensor, 1]}, Snapshot(b"\x00", 1))
     back = pickle.loads(dumps_result(result))
     for got in (back.payload["x"], back.payload["y"][0]):
         assert got.dtype == tensor.dtype and got.shape == tensor.shape
@@ -33,7 +32,7 @@ def test_small_tensors_round_trip_by_value(tensor: torch.Tensor) -> None:
 
 
 def test_small_tensors_travel_without_file_descriptors() -> None:
-    blob = dumps_result(Result(0, BATCH, torch.zeros(1000), Snapshot(b"\x00", 1)))
+    blob = dumps_result(Result(0, Kind.BATCH, torch.zeros(1000), Snapshot(b"\x00", 1)))
     assert b"rebuild_storage_fd" not in blob and b"_tensor_from_bytes" in blob
 
 

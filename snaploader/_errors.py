@@ -1,6 +1,11 @@
-"""Public exceptions. Each class has one meaning, written in its docstring."""
+"""Public exceptions and warnings (each class has one meaning, written in its
+docstring), and the helpers that make their messages name the user's place."""
 
 from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Final
 
 
 class CheckpointFormatError(ValueError):
@@ -35,3 +40,26 @@ class StateNotPlainDataError(TypeError):
 class WorkerRespawnedWarning(RuntimeWarning):
     """A worker process died and was respawned from its snapshot; the stream goes on
     unchanged. The message names the worker, its pid, the signal, and the batch."""
+
+
+# -- helpers for messages --------------------------------------------------------------
+
+_PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first caller outside
+    snaploader (the user's ``iter()`` or ``next()``), however deep we are."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+def short_indices(indices: Any, limit: int = 16) -> str:
+    """Sample indices for a message: the first ``limit`` of a long list, and the count."""
+    if isinstance(indices, (list, tuple)) and len(indices) > limit:
+        return f"{list(indices[:limit])}... ({len(indices)} in all)"
+    return repr(indices)

@@ -10,13 +10,11 @@ batches are simply produced again on restore, from those snapshots, identically.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
-from .snapshot import Snapshot
-from .worker import Resume
-
-_SAME_AS_YIELDED: Final = "same as yielded"
+from ._protocol import Resume, Snapshot
 
 
 @dataclass
@@ -47,33 +45,6 @@ class WorkerLedger:
         start = self.yielded if self.yielded is not None else self.epoch_start
         return WorkerLedger(epoch_start=start)
 
-    def to_plain(self) -> dict[str, Any]:
-        def plain(snapshot: Snapshot | None) -> dict[str, Any] | None:
-            return None if snapshot is None else snapshot.to_plain()
-
-        # Usually the newest complete snapshot is the newest one; say so, not twice.
-        same = self.yielded_complete is not None and self.yielded_complete is self.yielded
-        return {
-            "epoch_start": plain(self.epoch_start),
-            "yielded": plain(self.yielded),
-            "yielded_complete": _SAME_AS_YIELDED if same else plain(self.yielded_complete),
-            "exhausted": self.exhausted,
-        }
-
-    @staticmethod
-    def from_plain(plain: dict[str, Any]) -> WorkerLedger:
-        def snap(value: dict[str, Any] | None) -> Snapshot | None:
-            return None if value is None else Snapshot.from_plain(value)
-
-        yielded = snap(plain["yielded"])
-        complete = plain["yielded_complete"]
-        return WorkerLedger(
-            epoch_start=snap(plain["epoch_start"]),
-            yielded=yielded,
-            yielded_complete=yielded if complete == _SAME_AS_YIELDED else snap(complete),
-            exhausted=bool(plain["exhausted"]),
-        )
-
 
 def resume_from(
     epoch_start: Snapshot | None, at: Snapshot | None, at_complete: Snapshot | None
@@ -98,6 +69,18 @@ def resume_from(
     return Resume(epoch_start, 0, at.produced, at.rng, new_epoch=True)
 
 
+def resume_after(ledger: WorkerLedger, received: Iterable[Snapshot] = ()) -> Resume:
+    """Where a worker must stand: after its last yielded batch or, with ``received``
+    (the snapshots of batches it sent that are not yet yielded, oldest first), after
+    the last of those (for a respawn, which must not produce them again)."""
+    at, at_complete = ledger.yielded, ledger.yielded_complete
+    for snapshot in received:
+        at = snapshot
+        if snapshot.complete:
+            at_complete = snapshot
+    return resume_from(ledger.epoch_start, at, at_complete)
+
+
 def replay_without_protocol(ledger: WorkerLedger) -> int:
     """Batches a restored worker must read again from the epoch start because its
     iterable has no state protocol (0 when it has one: snapshot_every's replay from a
@@ -113,7 +96,6 @@ class EpochProgress:
     """Everything ``state_dict()`` needs about the current epoch; plain fields only."""
 
     epoch: int
-    rng_kind: str
     rng_start: bytes
     base_seed: int
     drew_base_seed: bool
@@ -129,3 +111,61 @@ class EpochProgress:
         if self.plan is None:
             return None
         return self.plan.sampler_state_before(self.yielded - self.plan_skip)
+
+    def forget_consumed(self) -> None:
+        """Called after each yield: sampler states before it are no longer needed."""
+        if self.plan is not None:
+            self.plan.forget_before(self.yielded - self.plan_skip)
+
+
+@dataclass(frozen=True)
+class EpochStart:
+    """How the next epoch begins: fresh, or restored from a checkpoint."""
+
+    epoch: int
+    restore_rng: bytes | None = None  # the epoch-start RNG state to replay (a restore)
+    base_seed: int | None = None  # a restore's, or persistent workers' earlier seed
+    draw_base_seed: bool = True
+    yielded: int = 0
+    turn: int = 0
+    workers: list[WorkerLedger] | None = None
+    sampler_state: Any = None
+    sampler_epoch: int | None = None
+
+    @staticmethod
+    def after(progress: EpochProgress, persistent: bool) -> EpochStart:
+        """The epoch after ``progress``'s: persistent workers carry their RNG states
+        and base seed over, as torch's persistent workers do."""
+        if not persistent:
+            return EpochStart(epoch=progress.epoch + 1)
+        return EpochStart(
+            epoch=progress.epoch + 1,
+            base_seed=progress.base_seed,
+            draw_base_seed=False,
+            workers=[ledger.next_epoch() for ledger in progress.workers],
+        )
+
+
+def replay_message(dataset: Any, replays: list[int], *, refused: bool) -> str:
+    """Why a resume of ``dataset`` replays ``replays[w]`` batches in worker ``w``, and
+    how to avoid it; for the warning (``refused=False``) or ReplayRefusedError."""
+    name = type(dataset).__qualname__
+    per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
+    what = (
+        f"an exact resume of {name} replays {sum(replays)} batch(es) from the epoch "
+        f"start, reading and discarding them ({per_worker}), because neither {name} nor "
+        "the iterator iter(dataset) returns has state_dict()/load_state_dict()"
+    )
+    fix = (
+        "implement state_dict()/load_state_dict() returning plain data on the iterator "
+        "or the dataset to resume without reading skipped data (docs/iterable.md)"
+    )
+    if refused:
+        return (
+            f"{what}, and the loader was built with replay='refuse'. To resume, {fix}, "
+            "or build the loader with replay='warn' or replay='allow'"
+        )
+    return (
+        f"{what}. To avoid it, {fix}; replay='allow' silences this warning, "
+        "replay='refuse' raises ReplayRefusedError instead"
+    )

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import multiprocessing
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import torch
 import torch.utils.data as torch_data
 
-from .errors import ReplayRefusedError
-from .iterator import EpochStart, SnapIterator
-from .ledger import EpochProgress, WorkerLedger, replay_without_protocol
-from .plan import RngSource, stateful_part
-from .snapshot import rng_from_plain, rng_to_plain
-from .state import FORMAT, VERSION, Fingerprint, check_fingerprint, validate
-from .worker import replay_message
+from ._checkpoint import Fingerprint, build_state, fingerprint_of, read_state
+from ._errors import ReplayRefusedError
+from ._iterator import LoaderSettings, SnapIterator
+from ._ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
+from ._plan import stateful_part
+from ._rng import RngSource
 
 _REPLAY_MODES: Final = ("warn", "allow", "refuse")
 
@@ -111,24 +109,35 @@ class DataLoader(torch_data.DataLoader):
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
         self._progress: EpochProgress | None = None
-        self._live: weakref.ref[SnapIterator] | None = None
         self._persistent_iter: SnapIterator | None = None
 
     # -- iteration -------------------------------------------------------------------
 
-    @property
-    def _context(self) -> Any:
+    def _settings(self) -> LoaderSettings:
         context = self.multiprocessing_context
-        return multiprocessing.get_context() if context is None else context
-
-    @property
-    def _pin_memory_active(self) -> bool:
-        return bool(self.pin_memory) and torch.accelerator.is_available()
-
-    @property
-    def _pin_device(self) -> str | None:
         accelerator = torch.accelerator.current_accelerator()
-        return None if accelerator is None else accelerator.type
+        return LoaderSettings(
+            dataset=self.dataset,
+            index_sampler=self._index_sampler,
+            iterable=self._iterable,
+            auto_collation=self._auto_collation,
+            context=multiprocessing.get_context() if context is None else context,
+            pin_memory=bool(self.pin_memory) and torch.accelerator.is_available(),
+            pin_device=None if accelerator is None else accelerator.type,
+            reported_length=self._IterableDataset_len_called,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            timeout_s=float(self.timeout),
+            persistent_workers=self.persistent_workers,
+            generator=self.generator,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            collate_fn=self.collate_fn,
+            worker_init_fn=self.worker_init_fn,
+            snapshot_every=self.snapshot_every,
+            replay=self.replay,
+            max_worker_retries=self.max_worker_retries,
+        )
 
     def _warn_pin_memory(self) -> None:
         # The same warnings torch's iterator gives, at the same moment.
@@ -149,18 +158,18 @@ class DataLoader(torch_data.DataLoader):
         self._warn_pin_memory()
         start = self._next_start()
         self._pending_state = None
+        settings = self._settings()
         reuse = self._persistent_iter
         if reuse is not None and not reuse.closed:
-            reuse.start_epoch(start, self)
+            reuse.start_epoch(start, settings)
             iterator = reuse
         else:
             if self.num_workers > 0:
                 self.check_worker_number_rationality()
-            iterator = SnapIterator(self, start)
+            iterator = SnapIterator(settings, start)
             if self.persistent_workers:
                 self._persistent_iter = iterator
         self._progress = iterator.progress
-        self._live = weakref.ref(iterator)
         return iterator
 
     def _next_start(self) -> EpochStart:
@@ -170,34 +179,21 @@ class DataLoader(torch_data.DataLoader):
         previous = self._progress
         if previous is None:
             return EpochStart(epoch=0)
-        if self.persistent_workers:
-            return EpochStart(
-                epoch=previous.epoch + 1,
-                base_seed=previous.base_seed,
-                draw_base_seed=False,
-                workers=[ledger.next_epoch() for ledger in previous.workers],
-            )
-        return EpochStart(epoch=previous.epoch + 1)
+        return EpochStart.after(previous, self.persistent_workers)
 
     # -- checkpoints -------------------------------------------------------------------
 
     def _fingerprint(self) -> Fingerprint:
-        try:
-            length = len(self.dataset)  # type: ignore[arg-type]
-        except TypeError:
-            length = None
-        return Fingerprint(
-            {
-                "dataset_kind": "iterable" if self._iterable else "map",
-                "dataset_length": length,
-                "batch_size": self.batch_size,
-                "num_workers": self.num_workers,
-                "drop_last": self.drop_last,
-                "sampler": type(self.sampler).__qualname__,
-                "batch_sampler": None if self.batch_sampler is None else type(self.batch_sampler).__qualname__,
-                "persistent_workers": self.persistent_workers,
-                "generator": "none" if self.generator is None else "given",
-            }
+        return fingerprint_of(
+            dataset=self.dataset,
+            iterable=self._iterable,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            drop_last=self.drop_last,
+            sampler=self.sampler,
+            batch_sampler=self.batch_sampler,
+            persistent_workers=self.persistent_workers,
+            generator=self.generator,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -206,39 +202,7 @@ class DataLoader(torch_data.DataLoader):
         with the same arguments, in this process or another."""
         if self._pending_state is not None:
             return dict(self._pending_state)
-        progress = self._progress
-        state: dict[str, Any] = {
-            "format": FORMAT,
-            "version": VERSION,
-            "fingerprint": dict(self._fingerprint().values),
-            "rng_kind": RngSource(self.generator).kind,
-        }
-        if progress is None:
-            state.update(
-                epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
-                base_seed=None, drew_base_seed=True, sampler_state=None,
-                sampler_epoch=None, workers=[],
-            )
-        else:
-            state.update(
-                epoch=progress.epoch,
-                ended=progress.ended,
-                yielded=progress.yielded,
-                turn=progress.turn,
-                rng_start=rng_to_plain(progress.rng_start),
-                base_seed=progress.base_seed,
-                drew_base_seed=progress.drew_base_seed,
-                sampler_state=progress.sampler_state(),
-                sampler_epoch=progress.sampler_epoch,
-                workers=[ledger.to_plain() for ledger in progress.workers],
-            )
-        ended = state["ended"]
-        state["rng_next"] = (
-            rng_to_plain(RngSource(self.generator).get_state())
-            if ended and self.generator is not None
-            else None
-        )
-        return state
+        return build_state(self._fingerprint(), self._progress, RngSource(self.generator))
 
     def load_state_dict(
         self, state: dict[str, Any], *, allow_mismatch: Iterable[str] = ()
@@ -251,49 +215,27 @@ class DataLoader(torch_data.DataLoader):
         :class:`~snaploader.ReplayRefusedError` when the loader was built with
         ``replay="refuse"`` and resuming needs a replay from the epoch start.
         """
-        validate(state)
-        allowed = frozenset(allow_mismatch)
-        check_fingerprint(state, self._fingerprint(), allowed)
-        ledgers = [WorkerLedger.from_plain(plain) for plain in state["workers"]]
-        if len(ledgers) != max(1, self.num_workers):
-            ledgers = []  # num_workers differs (allowed): workers start freshly seeded
-        if self.replay == "refuse" and not state["ended"]:
+        restore = read_state(
+            state,
+            self._fingerprint(),
+            frozenset(allow_mismatch),
+            max(1, self.num_workers),
+            self.persistent_workers,
+        )
+        if self.replay == "refuse" and restore.start.restore_rng is not None:
             # Refuse now, while the caller can still act, not at the next iter().
-            replays = [replay_without_protocol(ledger) for ledger in ledgers]
+            replays = [replay_without_protocol(ledger) for ledger in restore.ledgers]
             if any(replays):
                 raise ReplayRefusedError(replay_message(self.dataset, replays, refused=True))
         if self._persistent_iter is not None:
             self._persistent_iter.close()
             self._persistent_iter = None
-        if state["ended"]:
+        if restore.sampler_state is not None:
             stateful = None if self._iterable else stateful_part(self._index_sampler)
-            if stateful is not None and state["sampler_state"] is not None:
-                stateful.load_state_dict(state["sampler_state"]["state"])
-            if state["rng_next"] is not None and self.generator is not None:
-                RngSource(self.generator).set_state(rng_from_plain(state["rng_next"]))
-            if self.persistent_workers and state["epoch"] >= 0 and ledgers:
-                start = EpochStart(
-                    epoch=state["epoch"] + 1,
-                    base_seed=state["base_seed"],
-                    draw_base_seed=False,
-                    workers=[ledger.next_epoch() for ledger in ledgers],
-                    sampler_epoch=None,
-                )
-            else:
-                start = EpochStart(epoch=state["epoch"] + 1)
-        else:
-            start = EpochStart(
-                epoch=state["epoch"],
-                restore_rng=rng_from_plain(state["rng_start"]),
-                base_seed=state["base_seed"],
-                draw_base_seed=state["drew_base_seed"],
-                yielded=state["yielded"],
-                turn=state["turn"] if ledgers else 0,
-                workers=ledgers or None,
-                sampler_state=state["sampler_state"],
-                sampler_epoch=state["sampler_epoch"],
-            )
-        self._pending = start
+            if stateful is not None:
+                stateful.load_state_dict(restore.sampler_state["state"])
+        if restore.rng_next is not None and self.generator is not None:
+            RngSource(self.generator).set_state(restore.rng_next)
+        self._pending = restore.start
         self._pending_state = dict(state)
         self._progress = None
-

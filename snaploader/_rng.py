@@ -1,12 +1,10 @@
-"""Capture and restore the state a worker needs to produce its next batch.
+"""Capture and restore random number generator states, cheaply and as bytes.
 
-A snapshot is taken in the worker after every batch (the barrier): the three global
-RNGs a dataset may draw from (Python ``random``, NumPy's legacy global generator and
-torch's CPU generator), the position of the worker in its epoch (batches produced) and,
-when the dataset or its iterator implements ``state_dict()``/``load_state_dict()``, that
-state too. RNG states travel as raw bytes (at most 7.5 KB, microseconds), never as
-tensors or 625-element tuples, so a snapshot costs almost nothing to pickle and is plain
-data for ``torch.load(weights_only=True)``.
+A worker's snapshot after every batch holds the three global RNGs a dataset may draw
+from (Python ``random``, NumPy's legacy global generator and torch's CPU generator),
+encoded as raw bytes (at most 7.5 KB, microseconds), never as tensors or 625-element
+tuples, so a snapshot costs almost nothing to pickle. :class:`RngSource` is the
+generator an epoch's base seed and sampler draw from, in the main process.
 """
 
 from __future__ import annotations
@@ -16,13 +14,12 @@ import random
 import struct
 import sys
 from array import array
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 import numpy as np
 import torch
-
-from .errors import StateNotPlainDataError
 
 _MT_WORDS: Final = 624
 _MT_BYTES: Final = (_MT_WORDS + 1) * 4  # 624 state words and a position
@@ -103,27 +100,28 @@ class _NumpySlow(_MTAccess):
 class _NumpyRaw(_MTAccess):
     # mt19937_state_t is {uint32_t key[624]; int pos;}; the legacy gaussian cache lives
     # in RandomState's aug_bitgen_t {bitgen_t *; int has_gauss; double gauss;} at an
-    # offset found by _probe_numpy_gauss_offset.
+    # offset found by _probe_numpy_gauss_offset. The addresses are fixed for the
+    # generator's lifetime (seeding and set_state write into the same structs), so they
+    # are looked up once: ``bit_generator.ctypes`` builds a new tuple on every access.
     def __init__(self, rng: np.random.RandomState, gauss_offset: int) -> None:
         self.rng = rng
-        self.has_gauss_address = id(rng) + gauss_offset
-        self.gauss_address = self.has_gauss_address + 8
+        self.bit_generator = rng._bit_generator  # keeps the state struct alive
+        self.state_address = self.bit_generator.ctypes.state_address
+        self.pos_address = self.state_address + _MT_BYTES - 4
+        self.has_gauss = ctypes.c_int.from_address(id(rng) + gauss_offset)
+        self.gauss = ctypes.c_double.from_address(id(rng) + gauss_offset + 8)
 
     def read(self) -> bytes:
-        state = self.rng._bit_generator.ctypes.state_address
-        keys_and_pos = ctypes.string_at(state, _MT_BYTES)
+        keys_and_pos = ctypes.string_at(self.state_address, _MT_BYTES)
         # stored as pos first, to match _NumpySlow's layout
-        has_gauss = ctypes.c_int.from_address(self.has_gauss_address).value
-        gauss = ctypes.c_double.from_address(self.gauss_address).value
-        return keys_and_pos[-4:] + keys_and_pos[:-4] + _GAUSS.pack(has_gauss, gauss)
+        return keys_and_pos[-4:] + keys_and_pos[:-4] + _GAUSS.pack(self.has_gauss.value, self.gauss.value)
 
     def write(self, blob: bytes) -> None:
-        state = self.rng._bit_generator.ctypes.state_address
-        ctypes.memmove(state, blob[4:_MT_BYTES], _MT_BYTES - 4)
-        ctypes.memmove(state + _MT_BYTES - 4, blob[:4], 4)
+        ctypes.memmove(self.state_address, blob[4:_MT_BYTES], _MT_BYTES - 4)
+        ctypes.memmove(self.pos_address, blob, 4)
         has_gauss, gauss = _GAUSS.unpack_from(blob, _MT_BYTES)
-        ctypes.c_int.from_address(self.has_gauss_address).value = has_gauss
-        ctypes.c_double.from_address(self.gauss_address).value = gauss
+        self.has_gauss.value = has_gauss
+        self.gauss.value = gauss
 
 
 def _agree(fast: _MTAccess, slow: _MTAccess, draw: Any) -> bool:
@@ -268,6 +266,71 @@ def _seed_parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
     return _seed_cache[1]
 
 
+class NativeRng:
+    """The three global RNG states of this process as read, not yet encoded.
+
+    Taking and putting back one of these is the cheapest swap there is (the
+    ``num_workers=0`` runner does it around every batch); :meth:`encode` turns it into
+    :func:`capture_rng`'s bytes only when a checkpoint needs them. ``seed`` is the
+    capture taken right after seeding that the encoding is relative to, or None.
+    """
+
+    __slots__ = ("python", "numpy", "torch", "seed")
+
+    def __init__(self, python: bytes, numpy: bytes, torch_state: torch.Tensor, seed: bytes | None) -> None:
+        self.python = python
+        self.numpy = numpy
+        self.torch = torch_state
+        self.seed = seed
+
+    @staticmethod
+    def take(seed: bytes | None = None) -> NativeRng:
+        return NativeRng(_python_rng.read(), _numpy_rng.read(), torch.get_rng_state(), seed)
+
+    def put(self) -> None:
+        _python_rng.write(self.python)
+        _numpy_rng.write(self.numpy)
+        torch.set_rng_state(self.torch)
+
+    def encode(self) -> bytes:
+        raw = self.torch.numpy()
+        torch_state = _pack_torch(raw) if _TORCH_PACKED else raw.tobytes()
+        parts = (self.python, self.numpy, torch_state)
+        if self.seed is None:
+            return b"\x00" + b"".join(parts)
+        flags = 0
+        kept = []
+        for bit, (part, seeded) in enumerate(zip(parts, _seed_parts(self.seed))):
+            if part == seeded:
+                flags |= 1 << bit
+            else:
+                kept.append(part)
+        return bytes((flags,)) + b"".join(kept)
+
+    @staticmethod
+    def decode(blob: bytes, seed: bytes | None) -> NativeRng:
+        flags, rest = blob[0], blob[1:]
+        if flags:
+            if seed is None:
+                raise ValueError("this RNG state was captured relative to a seed state; pass it")
+            seed_parts = _seed_parts(seed)
+            parts = []
+            for bit, size in enumerate((_PY_BLOB, _PY_BLOB, None)):
+                if flags & (1 << bit):
+                    parts.append(seed_parts[bit])
+                else:
+                    parts.append(rest[:size] if size is not None else rest)
+                    rest = rest[size:] if size is not None else b""
+            py, npb, torch_state = parts
+        else:
+            py, npb, torch_state = _parts(rest)
+        tensor = torch.frombuffer(bytearray(unpack_torch_state(torch_state)), dtype=torch.uint8)
+        return NativeRng(py, npb, tensor, seed)
+
+
+RngState = bytes | NativeRng
+
+
 def capture_rng(seed: bytes | None = None) -> bytes:
     """The three global RNG states of this process, encoded as one bytes object.
 
@@ -275,135 +338,64 @@ def capture_rng(seed: bytes | None = None) -> bytes:
     state is written as a flag, not 2.5 KB: most datasets draw from one generator or
     none, and their snapshots and checkpoints shrink accordingly.
     """
-    torch_raw = torch.get_rng_state().numpy()
-    torch_state = _pack_torch(torch_raw) if _TORCH_PACKED else torch_raw.tobytes()
-    parts = (_python_rng.read(), _numpy_rng.read(), torch_state)
-    if seed is None:
-        return b"\x00" + b"".join(parts)
-    seed_parts = _seed_parts(seed)
-    flags = 0
-    kept = []
-    for bit, (part, seeded) in enumerate(zip(parts, seed_parts)):
-        if part == seeded:
-            flags |= 1 << bit
-        else:
-            kept.append(part)
-    return bytes((flags,)) + b"".join(kept)
+    return NativeRng.take(seed).encode()
 
 
-def restore_rng(blob: bytes, seed: bytes | None = None) -> None:
-    """Set this process's three global RNGs to a state made by :func:`capture_rng`
-    (with the same ``seed`` it was captured with)."""
-    flags, rest = blob[0], blob[1:]
-    if flags:
-        if seed is None:
-            raise ValueError("this RNG state was captured relative to a seed state; pass it")
-        seed_parts = _seed_parts(seed)
-        parts = []
-        for bit, size in enumerate((_PY_BLOB, _PY_BLOB, None)):
-            if flags & (1 << bit):
-                parts.append(seed_parts[bit])
-            else:
-                parts.append(rest[:size] if size is not None else rest)
-                rest = rest[size:] if size is not None else b""
-        py, npb, torch_state = parts
-    else:
-        py, npb, torch_state = _parts(rest)
-    _python_rng.write(py)
-    _numpy_rng.write(npb)
-    torch_state = unpack_torch_state(torch_state)
-    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+def restore_rng(state: RngState, seed: bytes | None = None) -> None:
+    """Set this process's three global RNGs to ``state``: a :class:`NativeRng`, or bytes
+    made by :func:`capture_rng` (with the same ``seed`` it was captured with)."""
+    native = state if isinstance(state, NativeRng) else NativeRng.decode(state, seed)
+    native.put()
 
 
-def rng_to_plain(blob: bytes) -> torch.Tensor:
-    """RNG bytes as a uint8 tensor: torch.save stores tensors raw, while its pickle
-    protocol 2 stores ``bytes`` as latin-1 text, 1.6 times larger."""
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+def rng_bytes(state: RngState) -> bytes:
+    """``state`` encoded as :func:`capture_rng` encodes it."""
+    return state.encode() if isinstance(state, NativeRng) else state
 
 
-def rng_from_plain(value: bytes | torch.Tensor) -> bytes:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
-    return bytes(value)
+class RngSource:
+    """The generator an epoch's base seed and default sampler draw from: the loader's
+    ``generator``, or torch's global RNG when there is none.
 
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """What a worker needs to produce its next batch, taken right after a batch.
-
-    ``produced`` counts the batches this worker produced in the current epoch.
-    ``data`` is the dataset's or iterator's ``state_dict()`` (``data_owner`` says
-    which), or None. ``complete`` is True when the snapshot alone positions the worker;
-    False when an iterable dataset must be replayed from an earlier complete snapshot
-    (or the epoch start) up to ``produced`` batches; ``data_owner`` is set then too
-    when the dataset has the state protocol (``snapshot_every`` > 1 skipped this one),
-    None when it has not (a replay for want of it). ``exhausted`` marks the snapshot
-    after an iterable worker's last batch of the epoch: the one its iterator ran dry
-    in (a short batch), or its "exhausted" reply.
+    Its state at the epoch start is saved in the checkpoint; restoring sets it back and
+    repeats the same draws (the workers' base seed, then the sampler's), so the
+    generator ends the epoch where the uninterrupted run leaves it. torch's global RNG
+    belongs to the training loop, so it is only borrowed for those draws and then put
+    back (:meth:`replaying`).
     """
 
-    rng: bytes
-    produced: int
-    data: Any = None
-    data_owner: str | None = None
-    complete: bool = True
-    exhausted: bool = False
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
 
-    def to_plain(self) -> dict[str, Any]:
-        return {
-            "rng": rng_to_plain(self.rng),
-            "produced": self.produced,
-            "data": self.data,
-            "data_owner": self.data_owner,
-            "complete": self.complete,
-            "exhausted": self.exhausted,
-        }
+    @property
+    def kind(self) -> str:
+        return "global" if self.generator is None else "generator"
 
-    @staticmethod
-    def from_plain(plain: dict[str, Any]) -> Snapshot:
-        return Snapshot(
-            rng=rng_from_plain(plain["rng"]),
-            produced=int(plain["produced"]),
-            data=plain["data"],
-            data_owner=plain["data_owner"],
-            complete=bool(plain["complete"]),
-            exhausted=bool(plain["exhausted"]),
-        )
+    def get_state(self) -> bytes:
+        state = torch.get_rng_state() if self.generator is None else self.generator.get_state()
+        return pack_torch_state(state.numpy().tobytes())
 
+    def set_state(self, state: bytes) -> None:
+        tensor = torch.frombuffer(bytearray(unpack_torch_state(state)), dtype=torch.uint8)
+        if self.generator is None:
+            torch.set_rng_state(tensor)
+        else:
+            self.generator.set_state(tensor)
 
-_PLAIN_SCALARS = (int, float, bool, str, bytes, type(None), torch.Tensor)
+    def draw_base_seed(self) -> int:
+        # The same draw, from the same generator, in the same order as torch's
+        # _BaseDataLoaderIter.__init__.
+        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
-
-def check_plain(value: Any, where: str) -> None:
-    """Raise :class:`StateNotPlainDataError` unless ``value`` is checkpointable plain
-    data: nested dicts (str/int keys), lists and tuples of ints, floats, bools, str,
-    bytes, None and tensors."""
-    if isinstance(value, _PLAIN_SCALARS):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise StateNotPlainDataError(
-                    f"{where} has a key of type {type(key).__name__} ({key!r}); "
-                    "use str or int keys so the checkpoint loads with weights_only=True"
-                )
-            check_plain(item, f"{where}[{key!r}]")
-        return
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
-        return
-    hint = ""
-    if isinstance(value, np.ndarray):
-        hint = " (convert NumPy arrays with torch.from_numpy or .tolist())"
-    elif isinstance(value, np.generic):
-        hint = " (convert NumPy scalars with .item())"
-    elif isinstance(value, np.random.Generator):
-        hint = " (save generator.bit_generator.state instead)"
-    raise StateNotPlainDataError(
-        f"{where} holds a {type(value).__module__}.{type(value).__qualname__}, which "
-        f"torch.load(weights_only=True) refuses{hint}; return only dicts, lists, "
-        "numbers, str, bytes, None and tensors from state_dict()"
-    )
-
-
+    @contextmanager
+    def replaying(self, state: bytes) -> Iterator[None]:
+        """Run the body with the source set to ``state``. The global RNG is handed back
+        to the training loop afterwards as it was; a generator keeps what the body
+        drew, as in the uninterrupted run."""
+        saved = torch.get_rng_state() if self.generator is None else None
+        self.set_state(state)
+        try:
+            yield
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved)

@@ -76,6 +76,38 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+_LIKELY_CAUSE: Final = {
+    "SIGKILL": "often the out-of-memory killer",
+    "SIGSEGV": "a native crash, often in a decoder or C extension",
+    "SIGBUS": "a native crash, often a truncated memory-mapped file or full /dev/shm",
+    "SIGABRT": "a native abort, often a failed assertion in a C extension",
+}
+
+_CALLED_EXIT: Final = (
+    "the worker process called exit(): sys.exit() or os._exit() in dataset code, or "
+    "a library that gave up"
+)
+
+_NEVER_STARTED: Final = (
+    "it died before sending anything, which usually means it failed to start: its "
+    "stderr above says why; under spawn or forkserver the main module must be "
+    "importable and guard its code with if __name__ == '__main__'"
+)
+
+
+def likely_cause(exitcode: int | None, messages: int) -> str:
+    """The usual reason a worker ends with ``exitcode`` after sending ``messages``
+    results, as " (...)" to append to a message, or "" when there is none to give."""
+    how = describe_exit(exitcode)
+    cause = _LIKELY_CAUSE.get(how.rsplit(" ", 1)[-1], "")
+    code = exitcode or 0
+    if not cause and code >= 0:
+        cause = _CALLED_EXIT
+        if messages == 0 and code > 0:
+            cause = f"{cause}; or {_NEVER_STARTED}"
+    return f" ({cause})" if cause else ""
+
+
 @dataclass
 class WorkerProcess:
     slot: int
@@ -86,8 +118,10 @@ class WorkerProcess:
 
     @property
     def pid(self) -> int:
-        assert self.process.pid is not None
-        return self.process.pid
+        pid = self.process.pid
+        if pid is None:
+            raise RuntimeError(f"worker slot {self.slot}'s process was never started")
+        return pid
 
     def send(self, msg: Any) -> None:
         self.task.send(msg)
@@ -125,7 +159,8 @@ class Pool:
 
     def start(self, slot: int) -> WorkerProcess:
         """Start a new process in ``slot`` (the slot must be empty)."""
-        assert self.workers[slot] is None
+        if self.workers[slot] is not None:
+            raise RuntimeError(f"worker slot {slot} still holds a process; discard it first")
         task_recv, task_send = self.context.Pipe(duplex=False)
         result_recv, result_send = self.context.Pipe(duplex=False)
         _widen_pipe(task_send)
@@ -171,18 +206,14 @@ class Pool:
     def discard(self, slot: int) -> WorkerProcess:
         """Forget the (dead) process in ``slot`` and close its pipes."""
         worker = self.workers[slot]
-        assert worker is not None
+        if worker is None:
+            raise RuntimeError(f"worker slot {slot} holds no process to discard")
         worker.process.join(_KILL_TIMEOUT_S)
         if worker.process.exitcode not in (None, 0):
             remove_shm_left_by(worker.pid)
         worker.close_pipes()
         self.workers[slot] = None
         return worker
-
-    def kill(self, slot: int) -> None:
-        worker = self.workers[slot]
-        if worker is not None and worker.process.is_alive():
-            worker.process.kill()
 
     def shutdown(self) -> None:
         """Stop every worker; never blocks longer than the join timeouts."""

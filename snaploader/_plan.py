@@ -1,17 +1,11 @@
-"""Which indices make batch k of an epoch, and where the epoch's randomness comes from.
+"""Which indices make batch k of an epoch. Pure bookkeeping in the main process: no
+processes, no datasets read, no RNG touched but the sampler's own draws.
 
-Pure bookkeeping in the main process: no processes, no datasets read.
-
-- :class:`RngSource` is what torch's DataLoader draws from at the start of an epoch:
-  the ``generator`` argument, or torch's global RNG when there is none. Its state at
-  the epoch start is saved in the checkpoint; restoring sets it back and repeats the
-  same draws (the workers' base seed, then the sampler's), so the generator ends the
-  epoch where the uninterrupted run leaves it. torch's global RNG belongs to the
-  training loop, so it is only borrowed for those draws and then put back.
-- :class:`IndexPlan` walks the index sampler lazily, batch by batch, as torch does.
-  Restoring to batch k skips k batches of *indices* (for torch's ``BatchSampler`` by
-  skipping k * batch_size sampler items at C speed), or loads the sampler's own
-  ``state_dict()`` saved before batch k when the sampler implements the protocol.
+:class:`IndexPlan` walks the index sampler lazily, batch by batch, as torch does.
+Restoring to batch k skips k batches of *indices* (for torch's ``BatchSampler`` by
+skipping k * batch_size sampler items at C speed), or loads the sampler's own
+``state_dict()`` saved before batch k when the sampler implements the protocol. Where
+the sampler's randomness comes from is ``_rng.RngSource``'s business.
 """
 
 from __future__ import annotations
@@ -19,54 +13,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch.utils.data import BatchSampler
 
-from .snapshot import pack_torch_state, unpack_torch_state
-from .worker import has_state_protocol
-
-
-class RngSource:
-    """The generator an epoch's base seed and default sampler draw from."""
-
-    def __init__(self, generator: torch.Generator | None) -> None:
-        self.generator = generator
-
-    @property
-    def kind(self) -> str:
-        return "global" if self.generator is None else "generator"
-
-    def get_state(self) -> bytes:
-        state = torch.get_rng_state() if self.generator is None else self.generator.get_state()
-        return pack_torch_state(state.numpy().tobytes())
-
-    def set_state(self, state: bytes) -> None:
-        tensor = torch.frombuffer(bytearray(unpack_torch_state(state)), dtype=torch.uint8)
-        if self.generator is None:
-            torch.set_rng_state(tensor)
-        else:
-            self.generator.set_state(tensor)
-
-    def draw_base_seed(self) -> int:
-        # The same draw, from the same generator, in the same order as torch's
-        # _BaseDataLoaderIter.__init__.
-        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-
-    @contextmanager
-    def replaying(self, state: bytes) -> Iterator[None]:
-        """Run the body with the source set to ``state``. The global RNG is handed back
-        to the training loop afterwards as it was; a generator keeps what the body
-        drew, as in the uninterrupted run."""
-        saved = torch.get_rng_state() if self.generator is None else None
-        self.set_state(state)
-        try:
-            yield
-        finally:
-            if saved is not None:
-                torch.set_rng_state(saved)
+from ._protocol import has_state_protocol
 
 
 def _consume(iterator: Iterator[Any], n: int) -> None:
@@ -151,18 +102,23 @@ class IndexPlan:
             self.upcoming = self._draw()
         return batch
 
+    def forget_before(self, yielded_in_plan: int) -> None:
+        """Drop the sampler states saved before the ``yielded_in_plan``-th batch: a
+        checkpoint can no longer point there (the loader has yielded past it)."""
+        while len(self.states) > 1 and self.next_index < yielded_in_plan:
+            self.states.popleft()
+            self.next_index += 1
+
     def sampler_state_before(self, yielded_in_plan: int) -> dict[str, Any] | None:
         """For a stateful sampler, ``{"state": ..., "done": ...}`` that puts it before
         the ``yielded_in_plan``-th batch this plan drew (counting from 0); None for
         samplers without the protocol. Past the last batch the sampler may already have
         moved on to its next epoch (a partial last batch runs it dry while being
         drawn), so there the state is its current one and ``done`` says that this
-        epoch has nothing left."""
+        epoch has nothing left. Reads only: :meth:`forget_before` prunes."""
         if self.stateful is None:
             return None
         if self.total is not None and yielded_in_plan >= self.total:
             return {"state": self.stateful.state_dict(), "done": True}
-        while len(self.states) > 1 and self.next_index < yielded_in_plan:
-            self.states.popleft()
-            self.next_index += 1
-        return {"state": self.states[0], "done": False}
+        at = min(max(yielded_in_plan - self.next_index, 0), len(self.states) - 1)
+        return {"state": self.states[at], "done": False}

@@ -1,154 +1,53 @@
-"""What runs in a worker: seeding, fetching, the snapshot after every batch.
+"""What runs in a worker: seeding like torch, fetching like torch, the snapshot after
+every batch, and the worker process's loop.
 
-Protocol (one task pipe in, one result pipe out, per worker; see ``pool.py``):
+The messages are in ``_protocol.py``. A worker process exits on ``None``, on
+end-of-file of its task pipe, or when its parent is gone (a watchdog thread checks
+every ``_WATCHDOG_INTERVAL_S``, whatever the loop is doing). It never blocks forever:
+sends block only while the main process is alive to read.
 
-- main -> worker: a :class:`Resume` first in every epoch (and first of all after a
-  respawn; pickled to bytes, so a tensor in it travels by value), then :class:`Task`
-  messages, then ``None`` to stop. Tasks are answered in the order they were sent, one
-  :class:`Result` each.
-- worker -> main: a :class:`Result` carries the batch (or the worker's exception, or the
-  news that an iterable dataset ran dry) and the :class:`~snaploader.snapshot.Snapshot`
-  taken right after it. Tensors go through shared memory (torch's reductions on
-  ``multiprocessing``'s pickler); the worker stays alive until told to stop, so the
-  main process can always open what it was sent.
-- A worker exits on ``None``, on end-of-file of its task pipe, or when its parent is
-  gone (checked whenever it has waited ``_WATCHDOG_INTERVAL_S`` without a task). It
-  never blocks forever: sends block only while the main process is alive to read.
-
-The same :class:`WorkerRuntime` also runs in the main process for ``num_workers=0``,
-with the main process's RNG states swapped out around each call (``iterator.py``).
+The same :class:`WorkerRuntime` also runs in the main process for ``num_workers=0``
+(``_inline.py``), with the main process's RNG states swapped out around each call.
 """
 
 from __future__ import annotations
 
 import copy
-import io
 import os
 import pickle
+import random
 import signal
 import threading
 import time
-import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Final
 
-import cloudpickle
 import numpy as np
 import psutil
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from .snapshot import Snapshot, capture_rng, check_plain, restore_rng
+from ._checkpoint import check_plain
+from ._protocol import (
+    Kind,
+    Result,
+    Resume,
+    Snapshot,
+    Task,
+    WorkerError,
+    WorkerSetup,
+    dumps_result,
+    has_state_protocol,
+)
+from ._rng import NativeRng, RngState, capture_rng, restore_rng
 
 _WATCHDOG_INTERVAL_S: Final = 1.0
-
-BATCH: Final = "batch"
-ERROR: Final = "error"
-EXHAUSTED: Final = "exhausted"
-
-
-@dataclass(frozen=True)
-class WorkerSetup:
-    """Everything a worker needs besides its id; sent once per worker process."""
-
-    dataset: Any
-    iterable: bool
-    auto_collation: bool
-    batch_size: int | None
-    drop_last: bool
-    collate_fn: Callable[[Any], Any]
-    worker_init_fn: Callable[[int], None] | None
-    num_workers: int
-    base_seed: int
-    state_every: int
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    """Position the worker for an epoch: restore ``base`` (None: keep the current state,
-    i.e. the fresh seed state or, for persistent workers, where the last epoch left it),
-    set the epoch position to ``base_produced``, replay ``replay`` batches, and finally
-    set the RNGs to ``final_rng`` when given. ``new_epoch`` says that ``base`` is the
-    state at an epoch start, so an iterator-level state in it belongs to the last epoch.
-    ``exhausted``: the worker has produced its last batch of the epoch (nothing is
-    replayed then; it answers every task with "exhausted")."""
-
-    base: Snapshot | None
-    base_produced: int
-    replay: int
-    final_rng: bytes | None
-    new_epoch: bool
-    exhausted: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    """Produce one batch. ``key`` is the global batch index (map-style) or the worker's
-    own batch count (iterable); ``indices`` are the sample indices (map-style only)."""
-
-    key: int
-    indices: Any
-
-
-@dataclass(frozen=True)
-class WorkerError:
-    """An exception raised by user code in a worker, ready to be raised again."""
-
-    pickled: bytes | None
-    type_name: str
-    formatted: str
-
-    @staticmethod
-    def capture(exc: BaseException) -> WorkerError:
-        formatted = "".join(traceback.format_exception(exc))
-        pickled: bytes | None
-        try:
-            blob: bytes = cloudpickle.dumps(exc)
-            pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
-            pickled = blob
-        except Exception:
-            pickled = None
-        return WorkerError(pickled, type(exc).__qualname__, formatted)
-
-    def rebuild(self, where: str) -> BaseException:
-        """The original exception (or a RuntimeError when it cannot be rebuilt), with a
-        note naming ``where`` it happened and the worker's traceback."""
-        note = f"Caught {self.type_name} {where}.\nOriginal {self.formatted}"
-        exc: BaseException | None = None
-        if self.pickled is not None:
-            try:
-                exc = pickle.loads(self.pickled)
-            except Exception:
-                exc = None
-        if exc is None:
-            return RuntimeError(note)
-        exc.add_note(note)
-        return exc
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    key: int
-    kind: str  # BATCH | ERROR | EXHAUSTED
-    payload: Any
-    snapshot: Snapshot
-
-
-def has_state_protocol(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
-
 
 def seed_like_torch(base_seed: int, worker_id: int) -> int:
     """Seed the three global RNGs exactly as torch seeds worker ``worker_id``."""
     seed = base_seed + worker_id
-    import random
-
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(torch_worker._generate_state(base_seed, worker_id))
@@ -163,13 +62,14 @@ def set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
 class WorkerRuntime:
     """Produces the batches of one worker slot and the snapshot after each."""
 
-    def __init__(self, setup: WorkerSetup, worker_id: int, *, copy_state: bool) -> None:
+    def __init__(self, setup: WorkerSetup, worker_id: int, *, in_main_process: bool) -> None:
         self.setup = setup
         self.worker_id = worker_id
         self.dataset = setup.dataset
-        # In the main process a state_dict() may alias live objects; copy it there.
-        self.copy_state = copy_state
-        if copy_state and setup.iterable:
+        # In the main process a state_dict() may alias live objects, so it is copied;
+        # and RNG states are kept unencoded, for the cheap swap around every batch.
+        self.in_main_process = in_main_process
+        if in_main_process and setup.iterable:
             # A worker process iterates its own copy of the dataset, fresh each epoch;
             # so does num_workers=0, or an iterable that changes its own attributes
             # would carry them into the next epoch, which no checkpoint records.
@@ -250,11 +150,11 @@ class WorkerRuntime:
 
     def run(self, task: Task) -> Result:
         if self.exhausted:
-            return Result(task.key, EXHAUSTED, None, self.snapshot())
-        kind = BATCH
+            return Result(task.key, Kind.EXHAUSTED, None, self.snapshot())
+        kind = Kind.BATCH
         payload: Any
         if self.pending_error is not None:
-            kind, payload, self.pending_error = ERROR, self.pending_error, None
+            kind, payload, self.pending_error = Kind.ERROR, self.pending_error, None
         else:
             try:
                 if self.setup.iterable:
@@ -264,18 +164,18 @@ class WorkerRuntime:
             except StopIteration as exc:
                 if self.setup.iterable:
                     self.exhausted = True
-                    return Result(task.key, EXHAUSTED, None, self.snapshot())
-                kind, payload = ERROR, WorkerError.capture(exc)
+                    return Result(task.key, Kind.EXHAUSTED, None, self.snapshot())
+                kind, payload = Kind.ERROR, WorkerError.capture(exc)
             except Exception as exc:
-                kind, payload = ERROR, WorkerError.capture(exc)
+                kind, payload = Kind.ERROR, WorkerError.capture(exc)
         self.produced += 1
         try:
             snapshot = self.snapshot()
         except Exception as exc:
             # A state_dict() that raises or returns non-plain data is the user's error:
             # report it like one raised in __getitem__, not as a worker crash.
-            bare = Snapshot(capture_rng(self.seed_rng), self.produced, complete=not self.setup.iterable)
-            return Result(task.key, ERROR, WorkerError.capture(exc), bare)
+            bare = Snapshot(self._capture_rng(), self.produced, complete=not self.setup.iterable)
+            return Result(task.key, Kind.ERROR, WorkerError.capture(exc), bare)
         return Result(task.key, kind, payload, snapshot)
 
     def _fetch_map(self, indices: Any) -> Any:
@@ -291,29 +191,33 @@ class WorkerRuntime:
 
     def _fetch_iterable(self) -> Any:
         # Mirrors torch's _IterableDatasetFetcher exactly, drop_last included.
-        if self.ended:
+        if self.ended or self.iterator is None:
             raise StopIteration
-        assert self.iterator is not None
         setup = self.setup
         if not setup.auto_collation:
             return setup.collate_fn(next(self.iterator))
-        assert setup.batch_size is not None
+        batch_size = setup.batch_size or 1  # auto-collation implies a batch size
         data = []
-        for _ in range(setup.batch_size):
+        for _ in range(batch_size):
             try:
                 data.append(next(self.iterator))
             except StopIteration:
                 self.ended = True
                 break
-        if not data or (setup.drop_last and len(data) < setup.batch_size):
+        if not data or (setup.drop_last and len(data) < batch_size):
             raise StopIteration
         return setup.collate_fn(data)
 
     # -- snapshots ----------------------------------------------------------------
 
+    def _capture_rng(self) -> RngState:
+        if self.in_main_process:
+            return NativeRng.take(self.seed_rng)
+        return capture_rng(self.seed_rng)
+
     def snapshot(self) -> Snapshot:
         setup = self.setup
-        rng = capture_rng(self.seed_rng)
+        rng = self._capture_rng()
         owner: str | None = None
         if setup.iterable and has_state_protocol(self.iterator):
             owner = "iterator"
@@ -338,76 +242,11 @@ class WorkerRuntime:
         return Snapshot(rng, self.produced, self._copied(data), owner, True, exhausted)
 
     def _copied(self, data: Any) -> Any:
-        if not self.copy_state or data is None:
+        if not self.in_main_process or data is None:
             return data
         # Plain data: a pickle round trip copies it several times faster than
         # deepcopy (1 ms against 6.6 ms for a 10,000-int shuffle buffer).
         return pickle.loads(pickle.dumps(data, pickle.HIGHEST_PROTOCOL))
-
-
-def replay_message(dataset: Any, replays: list[int], *, refused: bool) -> str:
-    """Why a resume of ``dataset`` replays ``replays[w]`` batches in worker ``w``, and
-    how to avoid it; for the warning (``refused=False``) or ReplayRefusedError."""
-    name = type(dataset).__qualname__
-    per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
-    what = (
-        f"an exact resume of {name} replays {sum(replays)} batch(es) from the epoch "
-        f"start, reading and discarding them ({per_worker}), because neither {name} nor "
-        "the iterator iter(dataset) returns has state_dict()/load_state_dict()"
-    )
-    fix = (
-        "implement state_dict()/load_state_dict() returning plain data on the iterator "
-        "or the dataset to resume without reading skipped data (docs/iterable.md)"
-    )
-    if refused:
-        return (
-            f"{what}, and the loader was built with replay='refuse'. To resume, {fix}, "
-            "or build the loader with replay='warn' or replay='allow'"
-        )
-    return (
-        f"{what}. To avoid it, {fix}; replay='allow' silences this warning, "
-        "replay='refuse' raises ReplayRefusedError instead"
-    )
-
-
-# -- the worker process ---------------------------------------------------------------
-
-# NOTE [ small tensors by value ]
-# torch shares a CPU tensor between processes by passing a file descriptor: the main
-# process connects to a listener in the worker and authenticates, per tensor. That
-# costs far more than copying a small tensor, so tensors up to this size travel inside
-# the message. A result sent that way is also complete by itself: it stays readable
-# even if its worker dies right after sending it.
-_BY_VALUE_MAX_BYTES: Final = 256 * 1024
-
-
-def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-
-
-class _ResultPickler(ForkingPickler):
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            type(obj) is torch.Tensor
-            and obj.device.type == "cpu"
-            and obj.layout == torch.strided
-            and not obj.requires_grad
-            and obj.nbytes <= _BY_VALUE_MAX_BYTES
-        ):
-            flat = obj.detach().contiguous().reshape(-1)
-            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-            return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
-        return NotImplemented
-
-
-def dumps_result(result: Result) -> bytes:
-    """Pickle a result for the result pipe (see NOTE [ small tensors by value ])."""
-    buffer = io.BytesIO()
-    _ResultPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(result)
-    return buffer.getvalue()
-
 
 
 def worker_main(
@@ -432,8 +271,9 @@ def worker_main(
     torch.set_num_threads(1)
     if isinstance(setup, bytes):
         setup = pickle.loads(setup)
-    assert isinstance(setup, WorkerSetup)
-    runtime = WorkerRuntime(setup, worker_id, copy_state=False)
+    if not isinstance(setup, WorkerSetup):
+        raise TypeError(f"worker {worker_id} was sent a {type(setup).__name__}, not a WorkerSetup")
+    runtime = WorkerRuntime(setup, worker_id, in_main_process=False)
     runtime.initialize()
     # Under forkserver our parent process is the fork server, not the main process
     # (parent_pid): the watchdog checks that neither has gone.
@@ -480,7 +320,7 @@ def worker_main(
         if msg is None:
             return
         if isinstance(msg, bytes):
-            msg = pickle.loads(msg)  # a Resume, sent by value (iterator.py _transmit)
+            msg = pickle.loads(msg)  # a Resume, sent by value (_receiver.py)
         if isinstance(msg, Resume):
             runtime.resume(msg)
             continue
@@ -495,5 +335,5 @@ def worker_main(
                 TypeError(f"the batch produced for batch {result.key} could not be "
                           f"sent to the main process: {type(exc).__name__}: {exc}")
             )
-            result_conn.send(Result(result.key, ERROR, error, result.snapshot))
+            result_conn.send_bytes(dumps_result(Result(result.key, Kind.ERROR, error, result.snapshot)))
         del result, msg

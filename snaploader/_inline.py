@@ -1,0 +1,109 @@
+"""``num_workers=0``: one worker slot run in the main process, behind the runner interface.
+
+torch's contract at ``num_workers=0`` stays (the dataset is loaded in the main
+process), but the data stream keeps its own RNG states: the slot is seeded like worker
+0 of a one-worker loader, and its Python, NumPy and torch RNG states are swapped in
+around each call and swapped out after it. So the training loop's own draws (dropout,
+its own shuffles) never touch the data stream, and the other way round; and a
+checkpoint resumes it exactly, as it resumes a worker process.
+
+A task is run when its result is asked for (``next_result``), not when it is sent: the
+iterator sends one task ahead, and running it early would do a batch's work before
+the training step that precedes it, which torch's ``num_workers=0`` never does.
+
+The swap is the whole per-batch cost of this mode, so it is kept to four unencoded
+copies (:class:`~snaploader._rng.NativeRng`): the main process's states out and the
+slot's in before the call; after it, the slot's states are the snapshot the call
+took anyway, and only the main process's are put back. Encoding waits for a checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from torch.utils.data._utils import worker as torch_worker
+
+from ._protocol import Result, Resume, Task, WorkerSetup
+from ._rng import NativeRng
+from ._runner import Runner
+from ._worker import WorkerRuntime, set_worker_info
+
+_T = TypeVar("_T")
+
+
+class InlineRunner(Runner):
+    """The single slot of a ``num_workers=0`` loader, run in this process."""
+
+    def __init__(self, setup: WorkerSetup) -> None:
+        super().__init__(1)
+        # NOTE [ collate in the main process ]: torch's default_collate allocates its
+        # output in shared memory whenever get_worker_info() answers; here that would
+        # hold an fd and /dev/shm space per live batch, so collate runs without it.
+        setup = replace(setup, collate_fn=_collate_outside_worker(setup.collate_fn))
+        self.runtime = WorkerRuntime(setup, 0, in_main_process=True)
+        self.rng: NativeRng | None = None  # the slot's RNG states while swapped out
+        self._call(self.runtime.initialize)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def _call(self, fn: Callable[[], _T], rng_after: Callable[[_T], NativeRng | None] | None = None) -> _T:
+        """Run ``fn`` as worker 0: its RNG states and worker info swapped in.
+        ``rng_after`` picks the slot's states out of ``fn``'s return value when it
+        took them last thing (a batch's snapshot), saving one more copy."""
+        main_rng = NativeRng.take()
+        main_info = torch_worker._worker_info
+        if self.rng is not None:
+            self.rng.put()
+        set_worker_info(self.runtime.info)
+        taken: NativeRng | None = None
+        try:
+            out = fn()
+            if rng_after is not None:
+                taken = rng_after(out)
+            return out
+        finally:
+            self.rng = taken if taken is not None else NativeRng.take(self.runtime.seed_rng)
+            main_rng.put()
+            set_worker_info(main_info)
+
+    def _transmit(self, slot: int, msg: Resume | Task) -> None:
+        if isinstance(msg, Resume):
+            self._call(lambda: self.runtime.resume(msg))
+
+    def next_result(self, slot: int) -> tuple[Task, Result]:
+        state = self.slots[slot]
+        if not state.received:
+            task = state.outstanding[0]
+            result = self._call(lambda: self.runtime.run(task), _native_rng_of)
+            self.accept(slot, result)
+        return state.received.popleft()
+
+    def settle(self, timeout_s: float) -> None:
+        # Tasks sent ahead of an iterable's end would each be answered "exhausted":
+        # in this process there is nothing to wait for, so they are simply dropped.
+        for state in self.slots:
+            state.outstanding.clear()
+
+    def close(self) -> None:
+        self.rng = None
+
+
+def _native_rng_of(result: Result) -> NativeRng | None:
+    rng = result.snapshot.rng
+    return rng if isinstance(rng, NativeRng) else None
+
+
+def _collate_outside_worker(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def collate(batch: Any) -> Any:
+        info = torch_worker._worker_info
+        set_worker_info(None)
+        try:
+            return collate_fn(batch)
+        finally:
+            set_worker_info(info)
+
+    return collate

@@ -1,0 +1,354 @@
+"""One epoch in the main process: where it starts, what is sent where, what comes next.
+
+```
+  EpochStart ──► start_epoch: RngSource draws (base seed, then the sampler's, replayed
+                 on restore), workers started or positioned (Resume per slot)
+  IndexPlan ──indices──► dispatch ──Task──► slot k mod W (map-style)
+                                  ──Task──► every slot not yet done (iterable)
+  __next__: takes the next result in the fixed order from the Runner, records its
+            snapshot in the ledger (EpochProgress), tops up the dispatch, returns it.
+```
+
+- Order is decided by data, never timing: map-style batch k comes from slot k mod W;
+  iterable batches come round-robin from the slots not yet exhausted, and a slot
+  counts as exhausted only when its own "exhausted" reply, or the short batch its
+  iterator ran dry in, is reached (both are data, not timing).
+- The iterator holds a :class:`LoaderSettings`, never the loader: a loader with
+  persistent workers holds its iterator, and the reverse link would make a cycle that
+  only the cyclic gc frees, leaving workers running after ``del loader``; and
+  ``for b in DataLoader(...)`` must work with no loader left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from torch.utils.data._utils import pin_memory as torch_pin_memory
+
+from ._errors import ReplayRefusedError, WorkerCrashedError, short_indices, user_stacklevel
+from ._inline import InlineRunner
+from ._ledger import EpochProgress, EpochStart, WorkerLedger, replay_message, replay_without_protocol, resume_after
+from ._plan import IndexPlan, epoch_aware_part
+from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
+from ._receiver import ProcessRunner
+from ._rng import RngSource
+from ._runner import Runner
+
+_SETTLE_TIMEOUT_S: Final = 5.0
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """What an iterator needs to know of its loader, built by the loader at ``iter()``."""
+
+    dataset: Any
+    index_sampler: Any
+    iterable: bool
+    auto_collation: bool
+    context: Any  # a multiprocessing context
+    pin_memory: bool  # pin, and an accelerator is there to pin for
+    pin_device: str | None
+    reported_length: int | None  # len(loader) as reported for an iterable dataset
+    num_workers: int
+    prefetch_factor: int | None
+    timeout_s: float
+    persistent_workers: bool
+    generator: torch.Generator | None
+    batch_size: int | None
+    drop_last: bool
+    collate_fn: Any
+    worker_init_fn: Any
+    snapshot_every: int
+    replay: str
+    max_worker_retries: int
+
+    @property
+    def slots(self) -> int:
+        """Worker slots: the workers, or the one slot run in the main process."""
+        return max(1, self.num_workers)
+
+    @property
+    def prefetch(self) -> int:
+        """Tasks kept outstanding per slot."""
+        return (self.prefetch_factor or 1) if self.num_workers > 0 else 1
+
+
+class SnapIterator:
+    """Iterator over one loader's batches; persistent workers reuse it across epochs."""
+
+    def __init__(self, settings: LoaderSettings, start: EpochStart) -> None:
+        self.settings = settings
+        self.runner: Runner | None = None
+        self._runner_finalizer: weakref.finalize | None = None
+        self.base_seed: int | None = None
+        self.closed = False
+        self.progress: EpochProgress
+        self.plan: IndexPlan | None = None
+        self.plan_done = True
+        self.dispatched = 0
+        self._last_slot = 0
+        self.start_epoch(start)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The pids of this iterator's live worker processes (for monitoring)."""
+        return [] if self.runner is None else self.runner.worker_pids
+
+    # -- epoch start ----------------------------------------------------------------
+
+    def start_epoch(self, start: EpochStart, settings: LoaderSettings | None = None) -> None:
+        """Begin the epoch ``start`` describes; ``settings`` as of this ``iter()``."""
+        if settings is not None:
+            self.settings = settings
+        settings = self.settings
+        sampler_with_epoch = None if settings.iterable else epoch_aware_part(settings.index_sampler)
+        if start.sampler_epoch is not None and sampler_with_epoch is not None:
+            sampler_with_epoch.set_epoch(start.sampler_epoch)
+        source = RngSource(settings.generator)
+        restoring = start.restore_rng is not None
+        rng_start = start.restore_rng if start.restore_rng is not None else source.get_state()
+        replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
+        with replaying:
+            base_seed = start.base_seed
+            if start.draw_base_seed or base_seed is None:
+                base_seed = source.draw_base_seed()
+                if restoring and start.base_seed is not None and base_seed != start.base_seed:
+                    raise RuntimeError(
+                        f"restoring epoch {start.epoch}: the generator state in the "
+                        f"checkpoint gives base seed {base_seed}, the checkpoint says "
+                        f"{start.base_seed}; the checkpoint was edited or is corrupt"
+                    )
+            self.progress = EpochProgress(
+                epoch=start.epoch,
+                rng_start=rng_start,
+                base_seed=base_seed,
+                drew_base_seed=start.draw_base_seed,
+                workers=start.workers or [WorkerLedger() for _ in range(settings.slots)],
+                yielded=start.yielded,
+                turn=start.turn,
+                sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
+                plan_skip=start.yielded,
+            )
+            self._warn_or_refuse_replay()
+            self._ready_workers(base_seed)
+            # The sampler draws after the workers exist, as in torch: forked workers then
+            # do not each inherit a copy of the epoch's index list.
+            self.plan = None
+            if not settings.iterable:
+                self.plan = IndexPlan(settings.index_sampler, start.yielded, start.sampler_state)
+        self.progress.plan = self.plan
+        self.plan_done = self.plan is None
+        self.dispatched = start.yielded
+        self._dispatch()
+
+    def _ready_workers(self, base_seed: int) -> None:
+        """Start the workers (or reuse persistent ones) and position each for the epoch."""
+        runner = self.runner
+        # Persistent workers still busy with an abandoned epoch would answer old tasks
+        # first; start them afresh from the ledger instead.
+        if runner is None or runner.busy() or self.base_seed != base_seed:
+            self._stop_workers()
+            self.base_seed = base_seed
+            runner = self.runner = self._start_runner(base_seed)
+        # Persistent workers too are put at their epoch-start state explicitly, so a
+        # worker respawned last epoch cannot drift from the ledger.
+        runner.begin_epoch(self.progress)
+        for slot, ledger in enumerate(self.progress.workers):
+            runner.send(slot, resume_after(ledger))
+
+    def _warn_or_refuse_replay(self) -> None:
+        # Once per restore: only a restored epoch start has workers mid-epoch. A refusal
+        # normally comes earlier, from load_state_dict.
+        replays = [replay_without_protocol(ledger) for ledger in self.progress.workers]
+        if not any(replays):
+            return
+        mode = self.settings.replay
+        message = replay_message(self.settings.dataset, replays, refused=mode == "refuse")
+        if mode == "refuse":
+            raise ReplayRefusedError(message)
+        if mode == "warn":
+            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
+
+    def _start_runner(self, base_seed: int) -> Runner:
+        settings = self.settings
+        setup = WorkerSetup(
+            dataset=settings.dataset,
+            iterable=settings.iterable,
+            auto_collation=settings.auto_collation,
+            batch_size=settings.batch_size,
+            drop_last=settings.drop_last,
+            collate_fn=settings.collate_fn,
+            worker_init_fn=settings.worker_init_fn,
+            num_workers=settings.slots,
+            base_seed=base_seed,
+            state_every=settings.snapshot_every,
+        )
+        if settings.num_workers == 0:
+            return InlineRunner(setup)
+        runner = ProcessRunner(
+            setup,
+            settings.num_workers,
+            settings.context,
+            timeout_s=settings.timeout_s,
+            max_retries=settings.max_worker_retries,
+        )
+        # NOTE [ shutdown under gc ]: a persistent iterator and its loader form a cycle.
+        # The cyclic gc may run the pipes' own __del__ (which closes their fds but keeps
+        # the numbers) before ours, and our close() would then close fd numbers that may
+        # be reused already. Weakref callbacks run before any __del__, so the workers
+        # are shut down from one.
+        self._runner_finalizer = weakref.finalize(self, runner.close)
+        return runner
+
+    # -- dispatch ------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        runner = self.runner
+        if runner is None:
+            return
+        settings = self.settings
+        if settings.iterable:
+            for slot, state in enumerate(runner.slots):
+                if self.progress.workers[slot].exhausted or state.failed is not None:
+                    continue
+                while not state.done and len(state.outstanding) < settings.prefetch:
+                    runner.send(slot, Task(state.sent, None))
+                    state.sent += 1
+            return
+        if self.plan is None:
+            return
+        limit = self.progress.yielded + settings.prefetch * settings.slots
+        while not self.plan_done and self.dispatched < limit:
+            indices = self.plan.take()
+            if indices is None:
+                self.plan_done = True
+                break
+            runner.send(self.dispatched % settings.slots, Task(self.dispatched, indices))
+            self.dispatched += 1
+
+    # -- yielding ------------------------------------------------------------------
+
+    def __iter__(self) -> SnapIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.closed or self.progress.ended:
+            raise StopIteration
+        try:
+            found = self._next_result()
+        except WorkerCrashedError:
+            self.close()
+            raise
+        if found is None:
+            self._end_epoch()
+            raise StopIteration
+        task, result = found
+        progress = self.progress
+        progress.workers[self._last_slot].record(result.snapshot)
+        progress.yielded += 1
+        progress.forget_consumed()
+        self._dispatch()
+        if result.kind is Kind.ERROR:
+            if not isinstance(result.payload, WorkerError):
+                raise TypeError(f"an error result carried a {type(result.payload).__name__}")
+            raise result.payload.rebuild(self._where(self._last_slot, task))
+        if self.settings.iterable:
+            self._check_reported_length()
+        data = result.payload
+        if self.settings.pin_memory:
+            data = torch_pin_memory.pin_memory(data, self.settings.pin_device)
+        return data
+
+    def _next_result(self) -> tuple[Task, Result] | None:
+        progress = self.progress
+        runner = self.runner
+        if runner is None:
+            return None
+        slots = self.settings.slots
+        if not self.settings.iterable:
+            if self.plan_done and progress.yielded >= self.dispatched:
+                return None
+            self._last_slot = progress.yielded % slots
+            return runner.next_result(self._last_slot)
+        while not all(ledger.exhausted for ledger in progress.workers):
+            slot = progress.turn
+            if progress.workers[slot].exhausted:
+                progress.turn = (slot + 1) % slots
+                continue
+            task, result = runner.next_result(slot)
+            # Only now: when next_result raises (a poison batch, a timeout),
+            # state_dict() must still resume at this worker's turn.
+            progress.turn = (slot + 1) % slots
+            if result.kind is Kind.EXHAUSTED:
+                progress.workers[slot].record(result.snapshot)
+                continue
+            self._last_slot = slot
+            return task, result
+        return None
+
+    def _check_reported_length(self) -> None:
+        # torch's warning, in torch's words: len(loader) was asked of an iterable
+        # dataset, and more batches than that came.
+        reported = self.settings.reported_length
+        yielded = self.progress.yielded
+        if reported is None or yielded <= reported:
+            return
+        message = (
+            f"Length of IterableDataset {self.settings.dataset} was reported to be {reported}"
+            f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
+        )
+        if self.settings.num_workers > 0:
+            message += (
+                "For multiprocessing data-loading, this could be caused by not properly configuring the "
+                "IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
+            )
+        warnings.warn(message, stacklevel=user_stacklevel())
+
+    def _where(self, slot: int, task: Task) -> str:
+        if self.settings.num_workers == 0:
+            place = "in the main process (num_workers=0)"
+        else:
+            place = f"in DataLoader worker process {slot}"
+        epoch = self.progress.epoch
+        where = f"{place} while loading batch {self.progress.yielded - 1} of epoch {epoch}"
+        if not self.settings.iterable:
+            where += f" (sample indices {short_indices(task.indices)})"
+        return where
+
+    def _end_epoch(self) -> None:
+        self.progress.ended = True
+        if not self.settings.persistent_workers:
+            self.close()
+        elif self.runner is not None:
+            try:
+                self.runner.settle(_SETTLE_TIMEOUT_S)
+            except WorkerCrashedError:
+                self.close()
+                raise
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def _stop_workers(self) -> None:
+        if self._runner_finalizer is not None:
+            self._runner_finalizer.detach()
+            self._runner_finalizer = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+    def close(self) -> None:
+        """Stop the workers; the iterator yields nothing more."""
+        self.closed = True
+        self._stop_workers()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

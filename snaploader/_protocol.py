@@ -1,0 +1,206 @@
+"""The messages between the main process and a worker, and how results are pickled.
+
+One task pipe in and one result pipe out, per worker (``_pool.py`` owns the pipes):
+
+- main -> worker: a :class:`Resume` first in every epoch (and first of all after a
+  respawn; pickled to bytes, so a tensor in a dataset's state travels by value), then
+  :class:`Task` messages, then ``None`` to stop. Tasks are answered in the order they
+  were sent, one :class:`Result` each.
+- worker -> main: a :class:`Result` carries the batch (or the user's exception, or the
+  news that an iterable dataset ran dry) and the :class:`Snapshot` taken right after
+  it. Small tensors travel inside the message (NOTE [ small tensors by value ]); larger
+  ones through shared memory, by file descriptor, as torch sends them. The worker stays
+  alive until told to stop, so the main process can always open what it was sent.
+
+The same records serve the ``num_workers=0`` runner (``_inline.py``), which passes them
+by reference instead of through pipes.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import pickle
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING, Any, Final
+
+import cloudpickle
+import torch
+
+if TYPE_CHECKING:
+    from ._rng import NativeRng
+
+
+class Kind(enum.Enum):
+    """What a :class:`Result` carries."""
+
+    BATCH = "batch"
+    ERROR = "error"  # a user exception, as a WorkerError
+    EXHAUSTED = "exhausted"  # an iterable worker's iterator ran dry before this task
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Everything a worker needs besides its id; sent once per worker process."""
+
+    dataset: Any
+    iterable: bool
+    auto_collation: bool
+    batch_size: int | None
+    drop_last: bool
+    collate_fn: Callable[[Any], Any]
+    worker_init_fn: Callable[[int], None] | None
+    num_workers: int
+    base_seed: int
+    state_every: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What a worker needs to produce its next batch, taken right after a batch.
+
+    ``rng`` holds the three global RNG states (``_rng.capture_rng``'s bytes, or for
+    ``num_workers=0`` a :class:`~snaploader._rng.NativeRng` that is encoded only when
+    a checkpoint is taken). ``produced`` counts the batches this worker produced in the
+    current epoch. ``data`` is the dataset's or iterator's ``state_dict()``
+    (``data_owner`` says which), or None. ``complete`` is True when the snapshot alone
+    positions the worker; False when an iterable dataset must be replayed from an
+    earlier complete snapshot (or the epoch start) up to ``produced`` batches;
+    ``data_owner`` is set then too when the dataset has the state protocol
+    (``snapshot_every`` > 1 skipped this one), None when it has not (a replay for want
+    of it). ``exhausted`` marks the snapshot after an iterable worker's last batch of the
+    epoch: the one its iterator ran dry in (a short batch), or its "exhausted" reply.
+    """
+
+    rng: bytes | NativeRng
+    produced: int
+    data: Any = None
+    data_owner: str | None = None
+    complete: bool = True
+    exhausted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Position the worker for an epoch: restore ``base`` (None: keep the current state,
+    i.e. the fresh seed state or, for persistent workers, where the last epoch left it),
+    set the epoch position to ``base_produced``, replay ``replay`` batches, and finally
+    set the RNGs to ``final_rng`` when given. ``new_epoch`` says that ``base`` is the
+    state at an epoch start, so an iterator-level state in it belongs to the last epoch.
+    ``exhausted``: the worker has produced its last batch of the epoch (nothing is
+    replayed then; it answers every task with "exhausted")."""
+
+    base: Snapshot | None
+    base_produced: int
+    replay: int
+    final_rng: bytes | NativeRng | None
+    new_epoch: bool
+    exhausted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """Produce one batch. ``key`` is the global batch index (map-style) or the worker's
+    own batch count (iterable); ``indices`` are the sample indices (map-style only)."""
+
+    key: int
+    indices: Any
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """An exception raised by user code in a worker, ready to be raised again."""
+
+    pickled: bytes | None
+    type_name: str
+    formatted: str
+
+    @staticmethod
+    def capture(exc: BaseException) -> WorkerError:
+        formatted = "".join(traceback.format_exception(exc))
+        pickled: bytes | None
+        try:
+            blob: bytes = cloudpickle.dumps(exc)
+            pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
+            pickled = blob
+        except Exception:
+            pickled = None
+        return WorkerError(pickled, type(exc).__qualname__, formatted)
+
+    def rebuild(self, where: str) -> BaseException:
+        """The original exception (or a RuntimeError when it cannot be rebuilt), with a
+        note naming ``where`` it happened and the worker's traceback."""
+        note = f"Caught {self.type_name} {where}.\nOriginal {self.formatted}"
+        exc: BaseException | None = None
+        if self.pickled is not None:
+            try:
+                exc = pickle.loads(self.pickled)
+            except Exception:
+                exc = None
+        if exc is None:
+            return RuntimeError(note)
+        exc.add_note(note)
+        return exc
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    key: int
+    kind: Kind
+    payload: Any
+    snapshot: Snapshot
+
+
+def has_state_protocol(obj: Any) -> bool:
+    """True when ``obj`` has torchdata's ``state_dict()``/``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+# NOTE [ small tensors by value ]
+# torch shares a CPU tensor between processes by passing a file descriptor: the main
+# process connects to a listener in the worker and authenticates, per tensor. That
+# costs far more than copying a small tensor, so tensors up to this size travel inside
+# the message. A result sent that way is also complete by itself: it stays readable
+# even if its worker dies right after sending it.
+_BY_VALUE_MAX_BYTES: Final = 256 * 1024
+
+
+def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+
+
+class _ResultPickler(ForkingPickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not obj.requires_grad
+            and obj.nbytes <= _BY_VALUE_MAX_BYTES
+        ):
+            flat = obj.detach().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+            return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def dumps_result(result: Result) -> bytes:
+    """Pickle a result for the result pipe (see NOTE [ small tensors by value ])."""
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(result)
+    return buffer.getvalue()
+
+
+def loads_result(blob: bytes) -> Result:
+    """Unpickle what :func:`dumps_result` made, opening shared memory as torch does."""
+    result = ForkingPickler.loads(blob)
+    if not isinstance(result, Result):
+        raise TypeError(f"a worker sent a {type(result).__name__} where a Result was due")
+    return result

@@ -1,0 +1,96 @@
+"""What the iterator drives: W worker slots that take tasks and give results in order.
+
+Two implementations share this interface, so the iterator has no special case for
+``num_workers=0``: :class:`~snaploader._receiver.ProcessRunner` (worker processes,
+``_receiver.py``) and :class:`~snaploader._inline.InlineRunner` (one slot run in the
+main process, ``_inline.py``).
+
+Per slot, this epoch: ``outstanding`` tasks were sent and not answered; ``received``
+answers wait to be yielded. Answers are accepted strictly in the order the tasks were
+sent, so a slot's ledger stays contiguous whatever the timing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from ._errors import WorkerCrashedError
+from ._ledger import EpochProgress
+from ._protocol import Kind, Result, Resume, Task
+
+
+@dataclass
+class Slot:
+    """Per worker slot, this epoch: tasks sent and not answered, answers not yet yielded."""
+
+    outstanding: deque[Task] = field(default_factory=deque)
+    received: deque[tuple[Task, Result]] = field(default_factory=deque)
+    sent: int = 0  # iterable: tasks sent this epoch (the worker-local batch key)
+    done: bool = False  # iterable: its "exhausted" reply arrived; send nothing more
+    failed: WorkerCrashedError | None = None  # raised when its next batch is due
+
+
+class Runner(ABC):
+    """Worker slots that answer :class:`Task` messages in order, one Result each."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.slots = [Slot() for _ in range(count)]
+        self.progress: EpochProgress | None = None
+
+    def begin_epoch(self, progress: EpochProgress) -> None:
+        """Forget the last epoch's tasks; ``progress`` is the ledger of the new one."""
+        self.progress = progress
+        self.slots = [Slot() for _ in range(self.count)]
+
+    def busy(self) -> bool:
+        """True while a slot still owes answers (an epoch abandoned midway)."""
+        return any(slot.outstanding or slot.failed for slot in self.slots)
+
+    def send(self, slot: int, msg: Resume | Task) -> None:
+        if isinstance(msg, Task):
+            if self.slots[slot].failed is not None:
+                return  # after a poison batch: the iterator raises before this is due
+            self.slots[slot].outstanding.append(msg)
+        self._transmit(slot, msg)
+
+    def accept(self, slot: int, result: Result) -> None:
+        """Take ``result``, the answer to ``slot``'s oldest outstanding task."""
+        state = self.slots[slot]
+        task = state.outstanding.popleft()
+        if task.key != result.key:
+            raise RuntimeError(
+                f"worker {slot} answered task {result.key} where task {task.key} was due; "
+                "the worker protocol is broken (please report this)"
+            )
+        if result.kind is Kind.EXHAUSTED:
+            if state.done:
+                return  # replies to tasks sent before the first "exhausted" arrived
+            state.done = True
+        elif state.done:
+            return
+        state.received.append((task, result))
+
+    @abstractmethod
+    def _transmit(self, slot: int, msg: Resume | Task) -> None:
+        """Deliver ``msg`` to the worker of ``slot``."""
+
+    @abstractmethod
+    def next_result(self, slot: int) -> tuple[Task, Result]:
+        """The answer to ``slot``'s oldest outstanding task; waits for it."""
+
+    @abstractmethod
+    def settle(self, timeout_s: float) -> None:
+        """Take the answers still owed (instant "exhausted" replies at an iterable's
+        end), so that persistent workers start the next epoch idle."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the workers. Never blocks for long; safe to call twice."""
+
+    @property
+    @abstractmethod
+    def worker_pids(self) -> list[int]:
+        """The pids of the live worker processes (empty in the main process's runner)."""
