@@ -1,46 +1,56 @@
 """The checkpoint format, all of it: build, validate, fingerprint, plain conversion.
 
-A checkpoint is a dict of ints, str, bytes, bools, None, lists and dicts (and whatever
-plain data a dataset's own ``state_dict()`` returns), so it survives
-``torch.save`` / ``torch.load(weights_only=True)``. Layout (version 1)::
+A checkpoint is JSON-safe plain data (dict with str keys, list, str, int, float, bool,
+None; ``_plain.py``), so ``json.dumps`` and ``torch.load(weights_only=True)`` both take
+it. It is untrusted input on load: :func:`read_state` checks every field's type, range
+and consistency with the others and with the loader, and an integrity digest, before
+anything forks; every problem is a :class:`CheckpointFormatError` naming the key path.
+Layout (version 2)::
 
-    format        "snaploader"
-    version       1
-    fingerprint   {dataset_kind, dataset_length, batch_size, num_workers, drop_last,
-                   sampler, batch_sampler, persistent_workers, generator}
-    epoch         index of the epoch this describes (-1: none started yet)
-    ended         True when that epoch is over: the next iter() starts epoch + 1
-    yielded       batches yielded in that epoch
-    turn          iterable datasets: the worker whose batch comes next
-    rng_kind      "generator" or "global": what the epoch's draws came from
-    rng_start     that generator's state at the epoch start (a uint8 tensor)
-    rng_next      the generator's state for the next epoch (a uint8 tensor), or None
-    base_seed     the epoch's worker base seed; drew_base_seed: drawn this epoch
-    sampler_state {state, done}: the stateful sampler's state before the next batch
-                  (done: it has nothing left this epoch), or None
-    sampler_epoch the sampler's ``epoch`` (DistributedSampler), or None
-    workers       one ledger per worker slot (see _ledger.py):
-                  {epoch_start, yielded, yielded_complete, exhausted}, each snapshot a
-                  dict {rng (uint8 tensor), produced, data, data_owner, complete,
-                  exhausted}; yielded_complete is "same as yielded" when it is
+    format         "snaploader"
+    version        2
+    digest         "sha256:<hex>" over the rest (see :func:`digest_of`)
+    fingerprint    {dataset_kind, dataset_length, batch_size, num_workers, drop_last,
+                    sampler, batch_sampler, persistent_workers, generator}
+    epoch          index of the epoch this describes (-1: none started yet)
+    ended          True when that epoch is over: the next iter() starts epoch + 1
+    yielded        batches yielded in that epoch
+    turn           iterable datasets: the worker whose batch comes next
+    rng_kind       "generator" or "global": what the epoch's draws came from
+    rng_start      base64 of that generator's state at the epoch start, or None
+    rng_next       base64 of the generator's state for the next epoch, or None
+    base_seed      the epoch's worker base seed; drew_base_seed: drawn this epoch
+    sampler_state  {state, done}: the stateful sampler's state before the next batch
+                   (done: it has nothing left this epoch), or None
+    sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
+    workers        one ledger per logical worker (see _ledger.py):
+                   {epoch_start, yielded, yielded_complete, exhausted}, each snapshot
+                   {rng (base64), produced, data, data_owner, complete, exhausted};
+                   yielded_complete is "same as yielded" when it is; epoch_start is
+                   None unless resuming needs it (nothing yielded yet, or a replay)
+
+User data (``data``, ``sampler_state.state``) is stored through ``_plain.encode``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-import numpy as np
 import torch
 
+from . import _plain
 from ._errors import CheckpointFormatError, CheckpointMismatchError, StateNotPlainDataError
-from ._ledger import EpochProgress, EpochStart, WorkerLedger
+from ._ledger import EpochProgress, EpochStart, Position, WorkerLedger
 from ._protocol import Snapshot
-from ._rng import RngSource, rng_bytes
+from ._rng import RngSource, check_rng, rng_bytes
 
 FORMAT: Final = "snaploader"
-VERSION: Final = 1
+VERSION: Final = 2
 _SAME_AS_YIELDED: Final = "same as yielded"
+_OWNERS: Final = (None, "dataset", "iterator")
 
 FINGERPRINT_KEYS: Final = (
     "dataset_kind",
@@ -53,32 +63,6 @@ FINGERPRINT_KEYS: Final = (
     "persistent_workers",
     "generator",
 )
-
-_SNAPSHOT_FIELDS: Final = {
-    "rng": (bytes, torch.Tensor),
-    "produced": (int,),
-    "data_owner": (str, type(None)),
-    "complete": (bool,),
-    "exhausted": (bool,),
-}
-
-_TOP_FIELDS: Final = {
-    "format": (str,),
-    "version": (int,),
-    "fingerprint": (dict,),
-    "epoch": (int,),
-    "ended": (bool,),
-    "yielded": (int,),
-    "turn": (int,),
-    "rng_kind": (str,),
-    "rng_start": (bytes, torch.Tensor, type(None)),
-    "rng_next": (bytes, torch.Tensor, type(None)),
-    "base_seed": (int, type(None)),
-    "drew_base_seed": (bool,),
-    "sampler_epoch": (int, type(None)),
-    "workers": (list,),
-}
-
 
 @dataclass(frozen=True)
 class Fingerprint:
@@ -96,77 +80,6 @@ class Fingerprint:
         return lines
 
 
-def _check_fields(where: str, value: Any, fields: dict[str, tuple[type, ...]]) -> None:
-    if not isinstance(value, dict):
-        raise CheckpointFormatError(
-            f"{where} should be a dict, got {type(value).__name__}; pass the dict that "
-            "snaploader's DataLoader.state_dict() returned"
-        )
-    for key, types in fields.items():
-        if key not in value:
-            raise CheckpointFormatError(
-                f"{where} has no {key!r} key; it was not made by snaploader's "
-                "DataLoader.state_dict() or was edited"
-            )
-        item = value[key]
-        # bool is an int subclass; an int field must not silently accept True.
-        if not isinstance(item, types) or (isinstance(item, bool) and bool not in types):
-            names = " or ".join(t.__name__ for t in types)
-            raise CheckpointFormatError(
-                f"{where}[{key!r}] should be {names}, got {type(item).__name__} ({item!r:.60})"
-            )
-
-
-def validate(state: Any) -> None:
-    """Raise :class:`CheckpointFormatError` naming the first problem in ``state``."""
-    _check_fields("loader state", state, {"format": (str,), "version": (int,)})
-    if state["format"] != FORMAT:
-        raise CheckpointFormatError(
-            f"loader state has format {state['format']!r}, expected {FORMAT!r}"
-        )
-    if state["version"] != VERSION:
-        raise CheckpointFormatError(
-            f"loader state has format version {state['version']}; this snaploader reads "
-            f"version {VERSION}. Resume with the snaploader release that wrote it"
-        )
-    _check_fields("loader state", state, _TOP_FIELDS)
-    for key in FINGERPRINT_KEYS:
-        if key not in state["fingerprint"]:
-            raise CheckpointFormatError(f"loader state['fingerprint'] has no {key!r} key")
-    if state["rng_kind"] not in ("generator", "global"):
-        raise CheckpointFormatError(
-            f"loader state['rng_kind'] should be 'generator' or 'global', got {state['rng_kind']!r}"
-        )
-    for i, ledger in enumerate(state["workers"]):
-        where = f"loader state['workers'][{i}]"
-        _check_fields(
-            where,
-            ledger,
-            {"epoch_start": (dict, type(None)), "yielded": (dict, type(None)),
-             "yielded_complete": (dict, str, type(None)), "exhausted": (bool,)},
-        )
-        if isinstance(ledger["yielded_complete"], str) and ledger["yielded_complete"] != _SAME_AS_YIELDED:
-            raise CheckpointFormatError(
-                f"{where}['yielded_complete'] should be a snapshot dict, None or "
-                f"'same as yielded', got {ledger['yielded_complete']!r:.60}"
-            )
-        for key in ("epoch_start", "yielded", "yielded_complete"):
-            if isinstance(ledger[key], dict):
-                _check_fields(f"{where}[{key!r}]", ledger[key], _SNAPSHOT_FIELDS)
-                if "data" not in ledger[key]:
-                    raise CheckpointFormatError(f"{where}[{key!r}] has no 'data' key")
-    if "sampler_state" not in state:
-        raise CheckpointFormatError("loader state has no 'sampler_state' key")
-    sampler_state = state["sampler_state"]
-    if sampler_state is not None:
-        _check_fields("loader state['sampler_state']", sampler_state, {"done": (bool,)})
-        if "state" not in sampler_state:
-            raise CheckpointFormatError("loader state['sampler_state'] has no 'state' key")
-    if state["yielded"] < 0 or state["epoch"] < -1:
-        raise CheckpointFormatError(
-            f"loader state has epoch {state['epoch']} and yielded {state['yielded']}; "
-            "both must be non-negative (epoch -1: before the first epoch)"
-        )
 
 
 def check_fingerprint(state: dict[str, Any], mine: Fingerprint, allowed: frozenset[str]) -> None:
@@ -188,108 +101,6 @@ def check_fingerprint(state: dict[str, Any], mine: Fingerprint, allowed: frozens
         )
 
 
-# -- plain conversion -------------------------------------------------------------------
-
-
-def rng_to_plain(blob: bytes) -> torch.Tensor:
-    """RNG bytes as a uint8 tensor: torch.save stores tensors raw, while its pickle
-    protocol 2 stores ``bytes`` as latin-1 text, 1.6 times larger."""
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-
-
-def rng_from_plain(value: bytes | torch.Tensor) -> bytes:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
-    return bytes(value)
-
-
-def snapshot_to_plain(snapshot: Snapshot) -> dict[str, Any]:
-    return {
-        "rng": rng_to_plain(rng_bytes(snapshot.rng)),
-        "produced": snapshot.produced,
-        "data": snapshot.data,
-        "data_owner": snapshot.data_owner,
-        "complete": snapshot.complete,
-        "exhausted": snapshot.exhausted,
-    }
-
-
-def snapshot_from_plain(plain: dict[str, Any]) -> Snapshot:
-    return Snapshot(
-        rng=rng_from_plain(plain["rng"]),
-        produced=int(plain["produced"]),
-        data=plain["data"],
-        data_owner=plain["data_owner"],
-        complete=bool(plain["complete"]),
-        exhausted=bool(plain["exhausted"]),
-    )
-
-
-def ledger_to_plain(ledger: WorkerLedger) -> dict[str, Any]:
-    def plain(snapshot: Snapshot | None) -> dict[str, Any] | None:
-        return None if snapshot is None else snapshot_to_plain(snapshot)
-
-    # Usually the newest complete snapshot is the newest one; say so, not twice.
-    same = ledger.yielded_complete is not None and ledger.yielded_complete is ledger.yielded
-    return {
-        "epoch_start": plain(ledger.epoch_start),
-        "yielded": plain(ledger.yielded),
-        "yielded_complete": _SAME_AS_YIELDED if same else plain(ledger.yielded_complete),
-        "exhausted": ledger.exhausted,
-    }
-
-
-def ledger_from_plain(plain: dict[str, Any]) -> WorkerLedger:
-    def snap(value: dict[str, Any] | None) -> Snapshot | None:
-        return None if value is None else snapshot_from_plain(value)
-
-    yielded = snap(plain["yielded"])
-    complete = plain["yielded_complete"]
-    return WorkerLedger(
-        epoch_start=snap(plain["epoch_start"]),
-        yielded=yielded,
-        yielded_complete=yielded if complete == _SAME_AS_YIELDED else snap(complete),
-        exhausted=bool(plain["exhausted"]),
-    )
-
-
-_PLAIN_SCALARS = (int, float, bool, str, bytes, type(None), torch.Tensor)
-
-
-def check_plain(value: Any, where: str) -> None:
-    """Raise :class:`StateNotPlainDataError` unless ``value`` is checkpointable plain
-    data: nested dicts (str/int keys), lists and tuples of ints, floats, bools, str,
-    bytes, None and tensors."""
-    if isinstance(value, _PLAIN_SCALARS):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise StateNotPlainDataError(
-                    f"{where} has a key of type {type(key).__name__} ({key!r}); "
-                    "use str or int keys so the checkpoint loads with weights_only=True"
-                )
-            check_plain(item, f"{where}[{key!r}]")
-        return
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
-        return
-    hint = ""
-    if isinstance(value, np.ndarray):
-        hint = " (convert NumPy arrays with torch.from_numpy or .tolist())"
-    elif isinstance(value, np.generic):
-        hint = " (convert NumPy scalars with .item())"
-    elif isinstance(value, np.random.Generator):
-        hint = " (save generator.bit_generator.state instead)"
-    raise StateNotPlainDataError(
-        f"{where} holds a {type(value).__module__}.{type(value).__qualname__}, which "
-        f"torch.load(weights_only=True) refuses{hint}; return only dicts, lists, "
-        "numbers, str, bytes, None and tensors from state_dict()"
-    )
-
-
-# -- building and reading a checkpoint ---------------------------------------------------
 
 
 def fingerprint_of(
@@ -323,40 +134,390 @@ def fingerprint_of(
     )
 
 
+
+
+# -- building a checkpoint ---------------------------------------------------------------
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _sha256(value: Any) -> str:
+    return hashlib.sha256(_canonical(value)).hexdigest()
+
+
+def digest_of(state: dict[str, Any], ledger_digests: list[str]) -> str:
+    """The integrity digest: SHA-256 over the canonical JSON of ``state`` without its
+    ``digest``, each ledger replaced by the SHA-256 of its own canonical JSON (so that a
+    ledger that did not change since the last ``state_dict()`` is not hashed again)."""
+    body = {key: value for key, value in state.items() if key != "digest"}
+    body["workers"] = ledger_digests
+    return "sha256:" + _sha256(body)
+
+
+def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
+    if snapshot.data is not None:
+        _plain.check_plain(snapshot.data, f"{where}['data']")
+    return {
+        "rng": _plain.b64(rng_bytes(snapshot.rng)),
+        "produced": snapshot.produced,
+        "data": _plain.encode(snapshot.data),
+        "data_owner": snapshot.data_owner,
+        "complete": snapshot.complete,
+        "exhausted": snapshot.exhausted,
+    }
+
+
+def _ledger_to_plain(ledger: WorkerLedger, where: str) -> tuple[dict[str, Any], str]:
+    """A ledger as plain data and its digest, computed once per (immutable) ledger."""
+    if ledger.cache:
+        return ledger.cache[0]
+
+    def plain(snapshot: Snapshot | None, key: str) -> dict[str, Any] | None:
+        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]")
+
+    at = ledger.yielded
+    # Resuming from a complete snapshot needs nothing else: keep the epoch start only
+    # when nothing was yielded yet or a replay starts from it (half the size with
+    # persistent workers, whose epoch start is a full snapshot).
+    needs_start = at is None or not at.complete
+    same = ledger.yielded_complete is at and at is not None
+    out = {
+        "epoch_start": plain(ledger.epoch_start, "epoch_start") if needs_start else None,
+        "yielded": plain(at, "yielded"),
+        "yielded_complete": _SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete"),
+        "exhausted": ledger.exhausted,
+    }
+    entry = (out, _sha256(out))
+    ledger.cache.append(entry)
+    return entry
+
+
+def _copy(value: Any) -> Any:
+    # The cached ledger must not be handed out: a caller editing its state would edit it.
+    if isinstance(value, dict):
+        return {key: _copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy(item) for item in value]
+    return value
+
+
 def build_state(
     fingerprint: Fingerprint, progress: EpochProgress | None, source: RngSource
 ) -> dict[str, Any]:
-    """The checkpoint of a loader whose current (or last) epoch is ``progress``."""
+    """The checkpoint of a loader whose current (or last) epoch is ``progress``.
+    Reads ``progress.position`` once, so it is consistent from any thread."""
     state: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
         "fingerprint": dict(fingerprint.values),
         "rng_kind": source.kind,
     }
+    ledgers: list[tuple[dict[str, Any], str]] = []
     if progress is None:
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
-            base_seed=None, drew_base_seed=True, sampler_state=None,
-            sampler_epoch=None, workers=[],
+            base_seed=None, drew_base_seed=True, sampler_state=None, sampler_epoch=None,
         )
     else:
+        position: Position = progress.position
+        sampler_state = position.sampler_state
+        if sampler_state is not None:
+            _plain.check_plain(sampler_state["state"], "the sampler's state_dict()")
+            sampler_state = {"state": _plain.encode(sampler_state["state"]), "done": sampler_state["done"]}
         state.update(
             epoch=progress.epoch,
-            ended=progress.ended,
-            yielded=progress.yielded,
-            turn=progress.turn,
-            rng_start=rng_to_plain(progress.rng_start),
+            ended=position.ended,
+            yielded=position.yielded,
+            turn=position.turn,
+            rng_start=_plain.b64(progress.rng_start),
             base_seed=progress.base_seed,
             drew_base_seed=progress.drew_base_seed,
-            sampler_state=progress.sampler_state(),
+            sampler_state=sampler_state,
             sampler_epoch=progress.sampler_epoch,
-            workers=[ledger_to_plain(ledger) for ledger in progress.workers],
         )
-    ended = state["ended"]
+        ledgers = [
+            _ledger_to_plain(ledger, f"worker {w}'s state") for w, ledger in enumerate(position.workers)
+        ]
     state["rng_next"] = (
-        rng_to_plain(source.get_state()) if ended and source.generator is not None else None
+        _plain.b64(source.get_state()) if state["ended"] and source.generator is not None else None
     )
+    state["workers"] = [_copy(plain) for plain, _ in ledgers]
+    state["digest"] = digest_of(state, [digest for _, digest in ledgers])
     return state
+
+
+# -- reading a checkpoint ----------------------------------------------------------------
+
+_OPTIONAL_INT: Final = (int, type(None))
+_OPTIONAL_STR: Final = (str, type(None))
+
+_TOP_FIELDS: Final[dict[str, tuple[type, ...]]] = {
+    "digest": (str,),
+    "fingerprint": (dict,),
+    "epoch": (int,),
+    "ended": (bool,),
+    "yielded": (int,),
+    "turn": (int,),
+    "rng_kind": (str,),
+    "rng_start": _OPTIONAL_STR,
+    "rng_next": _OPTIONAL_STR,
+    "base_seed": _OPTIONAL_INT,
+    "drew_base_seed": (bool,),
+    "sampler_state": (dict, type(None)),
+    "sampler_epoch": _OPTIONAL_INT,
+    "workers": (list,),
+}
+
+_LEDGER_FIELDS: Final[dict[str, tuple[type, ...]]] = {
+    "epoch_start": (dict, type(None)),
+    "yielded": (dict, type(None)),
+    "yielded_complete": (dict, str, type(None)),
+    "exhausted": (bool,),
+}
+
+_SNAPSHOT_FIELDS: Final[dict[str, tuple[type, ...]]] = {
+    "rng": (str,),
+    "produced": (int,),
+    "data_owner": _OPTIONAL_STR,
+    "complete": (bool,),
+    "exhausted": (bool,),
+}
+
+
+def _fail(where: str, problem: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"{where} {problem}")
+
+
+def _check_fields(where: str, value: Any, fields: dict[str, tuple[type, ...]]) -> None:
+    if not isinstance(value, dict):
+        raise _fail(
+            where,
+            f"should be a dict, got {type(value).__name__}; pass the dict that snaploader's "
+            "DataLoader.state_dict() returned",
+        )
+    for key, types in fields.items():
+        if key not in value:
+            raise _fail(where, f"has no {key!r} key; it was not made by this snaploader or was edited")
+        item = value[key]
+        # bool is an int subclass; an int field must not silently accept True.
+        if not isinstance(item, types) or (isinstance(item, bool) and bool not in types):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            raise _fail(f"{where}[{key!r}]", f"should be {names}, got {type(item).__name__} ({item!r:.60})")
+
+
+@dataclass(frozen=True)
+class LoaderFacts:
+    """What a checkpoint must agree with about the loader it is loaded into."""
+
+    iterable: bool
+    slots: int  # worker slots of the loader the checkpoint was taken from
+    dataset_has_protocol: bool
+    batches_per_epoch: int | None  # map-style, when the sampler has a length
+
+
+def validate(state: Any) -> None:
+    """Raise :class:`CheckpointFormatError` naming the first problem in the structure
+    of ``state`` (types, the digest, ranges that need no loader to judge)."""
+    _check_fields("loader state", state, {"format": (str,), "version": (int,)})
+    if state["format"] != FORMAT:
+        raise _fail("loader state['format']", f"is {state['format']!r}, expected {FORMAT!r}")
+    if state["version"] != VERSION:
+        raise _fail(
+            "loader state['version']",
+            f"is {state['version']}; this snaploader reads version {VERSION}. Resume with the "
+            "snaploader release that wrote it, or start the epoch afresh",
+        )
+    _check_fields("loader state", state, _TOP_FIELDS)
+    workers = state["workers"]
+    for w, ledger in enumerate(workers):
+        where = f"loader state['workers'][{w}]"
+        _check_fields(where, ledger, _LEDGER_FIELDS)
+        complete = ledger["yielded_complete"]
+        if isinstance(complete, str) and complete != _SAME_AS_YIELDED:
+            raise _fail(f"{where}['yielded_complete']", f"should be a snapshot, None or {_SAME_AS_YIELDED!r}")
+        for key in ("epoch_start", "yielded", "yielded_complete"):
+            if isinstance(ledger[key], dict):
+                _check_fields(f"{where}[{key!r}]", ledger[key], _SNAPSHOT_FIELDS)
+                if "data" not in ledger[key]:
+                    raise _fail(f"{where}[{key!r}]", "has no 'data' key")
+    try:
+        expected = digest_of(state, [_sha256(ledger) for ledger in workers])
+    except (TypeError, ValueError) as exc:
+        raise _fail("loader state", f"holds something that is not plain data ({exc})") from None
+    if state["digest"] != expected:
+        raise _fail(
+            "loader state['digest']",
+            "does not match the state's contents: the checkpoint was modified or corrupted "
+            "after state_dict() made it. Load an unmodified checkpoint",
+        )
+    for key in FINGERPRINT_KEYS:
+        if key not in state["fingerprint"]:
+            raise _fail("loader state['fingerprint']", f"has no {key!r} key")
+    if state["rng_kind"] not in ("generator", "global"):
+        raise _fail("loader state['rng_kind']", f"should be 'generator' or 'global', got {state['rng_kind']!r}")
+    if state["epoch"] < -1 or state["yielded"] < 0:
+        raise _fail("loader state", f"has epoch {state['epoch']} and yielded {state['yielded']}; epoch must be >= -1 and yielded >= 0")
+    sampler_state = state["sampler_state"]
+    if sampler_state is not None:
+        _check_fields("loader state['sampler_state']", sampler_state, {"done": (bool,)})
+        if "state" not in sampler_state:
+            raise _fail("loader state['sampler_state']", "has no 'state' key")
+    if state["epoch"] == -1:
+        if not state["ended"] or state["yielded"] or workers or state["rng_start"] is not None:
+            raise _fail("loader state", "describes no epoch (epoch -1) but holds an epoch's position")
+        return
+    if state["base_seed"] is None or not 0 <= state["base_seed"] < 2**63:
+        raise _fail("loader state['base_seed']", f"should be an int in [0, 2**63), got {state['base_seed']!r}")
+    if state["rng_start"] is None:
+        raise _fail("loader state['rng_start']", "is None for an epoch that started")
+    _check_generator_state("loader state['rng_start']", state["rng_start"])
+    if state["rng_next"] is not None:
+        _check_generator_state("loader state['rng_next']", state["rng_next"])
+    if not state["drew_base_seed"] and not (state["fingerprint"].get("persistent_workers") and state["epoch"] > 0):
+        raise _fail(
+            "loader state['drew_base_seed']",
+            "is False, but only persistent workers after the first epoch keep an earlier base seed",
+        )
+    if state["drew_base_seed"]:
+        # The base seed is the epoch's first draw from rng_start: they must agree.
+        source = RngSource(torch.Generator())
+        source.set_state(_plain.unb64(state["rng_start"], "loader state['rng_start']"))
+        if source.draw_base_seed() != state["base_seed"]:
+            raise _fail(
+                "loader state['base_seed']",
+                "is not the seed that loader state['rng_start'] gives; one of them was edited",
+            )
+    if state["sampler_epoch"] is not None and state["sampler_epoch"] < 0:
+        raise _fail("loader state['sampler_epoch']", f"is {state['sampler_epoch']}; expected >= 0")
+
+
+def _check_generator_state(where: str, text: str) -> None:
+    try:
+        RngSource.check_state(_plain.unb64(text, where))
+    except ValueError as exc:
+        raise _fail(where, f"is not a generator state: {exc}") from None
+
+
+def _check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
+    """Raise :class:`CheckpointFormatError` unless the position agrees with itself and
+    with the loader: a state that loads must resume the stream it was taken from."""
+    workers = state["workers"]
+    if state["epoch"] == -1:
+        return
+    if len(workers) != facts.slots:
+        raise _fail(
+            "loader state['workers']",
+            f"has {len(workers)} ledgers for a loader with {facts.slots} worker slot(s) "
+            f"(fingerprint num_workers {state['fingerprint'].get('num_workers')!r})",
+        )
+    turn, yielded = state["turn"], state["yielded"]
+    if not 0 <= turn < facts.slots or (not facts.iterable and turn != 0):
+        raise _fail("loader state['turn']", f"is {turn}; expected 0{'' if not facts.iterable else f' to {facts.slots - 1}'}")
+    if facts.batches_per_epoch is not None:
+        if yielded > facts.batches_per_epoch or (state["ended"] and yielded != facts.batches_per_epoch):
+            raise _fail(
+                "loader state['yielded']",
+                f"is {yielded} for an epoch of {facts.batches_per_epoch} batches"
+                f"{' that ended' if state['ended'] else ''}",
+            )
+    produced = []
+    for w, ledger in enumerate(workers):
+        where = f"loader state['workers'][{w}]"
+        for key in ("epoch_start", "yielded", "yielded_complete"):
+            snapshot = ledger[key]
+            if isinstance(snapshot, dict):
+                _check_snapshot(f"{where}[{key!r}]", snapshot, facts)
+        at = ledger["yielded"]
+        count = 0 if at is None else at["produced"]
+        produced.append(count)
+        if ledger["exhausted"] != (at is not None and at["exhausted"]):
+            raise _fail(f"{where}['exhausted']", "disagrees with its last snapshot's 'exhausted'")
+        needs_start = at is None or not at["complete"]
+        if not needs_start and ledger["epoch_start"] is not None:
+            raise _fail(f"{where}['epoch_start']", "is set where resuming does not use it")
+        complete = ledger["yielded_complete"]
+        if (at is not None and at["complete"]) != (complete == _SAME_AS_YIELDED):
+            raise _fail(
+                f"{where}['yielded_complete']",
+                f"should be {_SAME_AS_YIELDED!r} exactly when the last yielded snapshot is complete",
+            )
+        if isinstance(complete, dict) and (not complete["complete"] or complete["produced"] >= count):
+            raise _fail(f"{where}['yielded_complete']", "should be a complete snapshot older than the last yielded one")
+        if not facts.iterable:
+            # Map-style batch k comes from worker k mod W: the counts are fixed.
+            due = len(range(w, yielded, facts.slots))
+            if count != due:
+                raise _fail(f"{where}['yielded']", f"says {count} batch(es) produced; batch {yielded} of the epoch needs {due}")
+    if facts.iterable and state["ended"] and not all(ledger["exhausted"] for ledger in workers):
+        raise _fail("loader state['ended']", "is True, but not every worker of the iterable ran dry")
+    if sum(produced) != yielded:
+        raise _fail("loader state['yielded']", f"is {yielded}, but the workers produced {sum(produced)} batch(es)")
+    if facts.iterable:
+        # The round-robin visits the slots not yet exhausted in order from slot 0: each
+        # has produced the same number of batches, one more for those before ``turn``.
+        live = [w for w, ledger in enumerate(workers) if not ledger["exhausted"]]
+        rounds = {produced[w] - (1 if w < turn else 0) for w in live}
+        if len(rounds) > 1 or any(r < 0 for r in rounds):
+            raise _fail("loader state['workers']", f"hold batch counts {produced} that no round-robin at turn {turn} gives")
+
+
+def _check_snapshot(where: str, snapshot: dict[str, Any], facts: LoaderFacts) -> None:
+    owner = snapshot["data_owner"]
+    if owner not in _OWNERS:
+        raise _fail(f"{where}['data_owner']", f"is {owner!r}; expected one of {_OWNERS}")
+    if snapshot["produced"] < 0:
+        raise _fail(f"{where}['produced']", f"is {snapshot['produced']}; expected >= 0")
+    if not facts.iterable:
+        expected_owner = "dataset" if facts.dataset_has_protocol else None
+        if owner != expected_owner or not snapshot["complete"] or snapshot["exhausted"]:
+            raise _fail(
+                where,
+                f"is not a map-style dataset's snapshot (data_owner {owner!r}, complete "
+                f"{snapshot['complete']}, exhausted {snapshot['exhausted']}; expected "
+                f"{expected_owner!r}, True, False)",
+            )
+    else:
+        if owner == "dataset" and not facts.dataset_has_protocol:
+            raise _fail(f"{where}['data_owner']", "is 'dataset', but this dataset has no state_dict()/load_state_dict()")
+        if owner is None and facts.dataset_has_protocol:
+            raise _fail(f"{where}['data_owner']", "is None, but this dataset has state_dict()/load_state_dict()")
+        if snapshot["complete"] and owner is None:
+            raise _fail(f"{where}['complete']", "is True for a snapshot that holds no dataset or iterator state")
+    try:
+        check_rng(_plain.unb64(snapshot["rng"], f"{where}['rng']"), seeded=True)
+    except ValueError as exc:
+        raise _fail(f"{where}['rng']", f"is not an RNG state snaploader wrote: {exc}") from None
+    try:
+        _plain.decode(snapshot["data"], f"{where}['data']")
+    except ValueError as exc:
+        raise _fail(f"{where}['data']", f"cannot be decoded: {exc}") from None
+
+
+def _snapshot_from_plain(plain: dict[str, Any], where: str) -> Snapshot:
+    return Snapshot(
+        rng=_plain.unb64(plain["rng"], f"{where}['rng']"),
+        produced=plain["produced"],
+        data=_plain.decode(plain["data"], f"{where}['data']"),
+        data_owner=plain["data_owner"],
+        complete=plain["complete"],
+        exhausted=plain["exhausted"],
+    )
+
+
+def _ledger_from_plain(plain: dict[str, Any], where: str) -> WorkerLedger:
+    def snap(key: str) -> Snapshot | None:
+        value = plain[key]
+        return None if not isinstance(value, dict) else _snapshot_from_plain(value, f"{where}[{key!r}]")
+
+    yielded = snap("yielded")
+    return WorkerLedger(
+        epoch_start=snap("epoch_start"),
+        yielded=yielded,
+        yielded_complete=yielded if plain["yielded_complete"] == _SAME_AS_YIELDED else snap("yielded_complete"),
+        exhausted=plain["exhausted"],
+    )
 
 
 @dataclass(frozen=True)
@@ -371,14 +532,26 @@ class Restore:
 
 
 def read_state(
-    state: Any, mine: Fingerprint, allowed: frozenset[str], slots: int, persistent: bool
+    state: Any, mine: Fingerprint, allowed: frozenset[str], facts: LoaderFacts, persistent: bool
 ) -> Restore:
-    """Validate ``state`` against this loader and say how to resume from it."""
+    """Validate ``state`` in full against this loader and say how to resume from it.
+    ``facts.slots`` is this loader's; a checkpoint from another worker count is
+    accepted only with ``allow_mismatch=("num_workers",)``, and then its workers start
+    freshly seeded."""
     validate(state)
     check_fingerprint(state, mine, allowed)
-    ledgers = [ledger_from_plain(plain) for plain in state["workers"]]
-    if len(ledgers) != slots:
+    saved_slots = max(1, state["fingerprint"]["num_workers"]) if isinstance(state["fingerprint"]["num_workers"], int) else facts.slots
+    same_slots = saved_slots == facts.slots
+    _check_consistent(state, LoaderFacts(facts.iterable, saved_slots, facts.dataset_has_protocol, facts.batches_per_epoch))
+    ledgers = [_ledger_from_plain(plain, f"loader state['workers'][{w}]") for w, plain in enumerate(state["workers"])]
+    if not same_slots:
         ledgers = []  # num_workers differs (allowed): workers start freshly seeded
+    sampler_state = state["sampler_state"]
+    if sampler_state is not None:
+        sampler_state = {
+            "state": _plain.decode(sampler_state["state"], "loader state['sampler_state']['state']"),
+            "done": sampler_state["done"],
+        }
     if state["ended"]:
         if persistent and state["epoch"] >= 0 and ledgers:
             start = EpochStart(
@@ -389,17 +562,17 @@ def read_state(
             )
         else:
             start = EpochStart(epoch=state["epoch"] + 1)
-        rng_next = None if state["rng_next"] is None else rng_from_plain(state["rng_next"])
-        return Restore(start, ledgers, state["sampler_state"], rng_next)
+        rng_next = None if state["rng_next"] is None else _plain.unb64(state["rng_next"], "rng_next")
+        return Restore(start, ledgers, sampler_state, rng_next)
     start = EpochStart(
         epoch=state["epoch"],
-        restore_rng=rng_from_plain(state["rng_start"]),
+        restore_rng=_plain.unb64(state["rng_start"], "loader state['rng_start']"),
         base_seed=state["base_seed"],
         draw_base_seed=state["drew_base_seed"],
         yielded=state["yielded"],
         turn=state["turn"] if ledgers else 0,
         workers=ledgers or None,
-        sampler_state=state["sampler_state"],
+        sampler_state=sampler_state,
         sampler_epoch=state["sampler_epoch"],
     )
     return Restore(start, ledgers, None, None)

@@ -30,9 +30,17 @@ from typing import Any, Final
 import torch
 from torch.utils.data._utils import pin_memory as torch_pin_memory
 
-from ._errors import ReplayRefusedError, WorkerCrashedError, short_indices, user_stacklevel
+from ._errors import CheckpointFormatError, ReplayRefusedError, WorkerCrashedError, short_indices, user_stacklevel
 from ._inline import InlineRunner
-from ._ledger import EpochProgress, EpochStart, WorkerLedger, replay_message, replay_without_protocol, resume_after
+from ._ledger import (
+    EpochProgress,
+    EpochStart,
+    Position,
+    WorkerLedger,
+    replay_message,
+    replay_without_protocol,
+    resume_after,
+)
 from ._plan import IndexPlan, epoch_aware_part
 from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
 from ._receiver import ProcessRunner
@@ -91,7 +99,6 @@ class SnapIterator:
         self.plan: IndexPlan | None = None
         self.plan_done = True
         self.dispatched = 0
-        self._last_slot = 0
         self.start_epoch(start)
 
     @property
@@ -118,7 +125,7 @@ class SnapIterator:
             if start.draw_base_seed or base_seed is None:
                 base_seed = source.draw_base_seed()
                 if restoring and start.base_seed is not None and base_seed != start.base_seed:
-                    raise RuntimeError(
+                    raise CheckpointFormatError(
                         f"restoring epoch {start.epoch}: the generator state in the "
                         f"checkpoint gives base seed {base_seed}, the checkpoint says "
                         f"{start.base_seed}; the checkpoint was edited or is corrupt"
@@ -128,9 +135,11 @@ class SnapIterator:
                 rng_start=rng_start,
                 base_seed=base_seed,
                 drew_base_seed=start.draw_base_seed,
-                workers=start.workers or [WorkerLedger() for _ in range(settings.slots)],
-                yielded=start.yielded,
-                turn=start.turn,
+                position=Position(
+                    yielded=start.yielded,
+                    turn=start.turn,
+                    workers=tuple(start.workers or [WorkerLedger() for _ in range(settings.slots)]),
+                ),
                 sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
                 plan_skip=start.yielded,
             )
@@ -141,7 +150,7 @@ class SnapIterator:
             self.plan = None
             if not settings.iterable:
                 self.plan = IndexPlan(settings.index_sampler, start.yielded, start.sampler_state)
-        self.progress.plan = self.plan
+        self.progress.attach_plan(self.plan)
         self.plan_done = self.plan is None
         self.dispatched = start.yielded
         self._dispatch()
@@ -247,16 +256,15 @@ class SnapIterator:
         if found is None:
             self._end_epoch()
             raise StopIteration
-        task, result = found
+        slot, task, result = found
         progress = self.progress
-        progress.workers[self._last_slot].record(result.snapshot)
-        progress.yielded += 1
-        progress.forget_consumed()
+        turn = (slot + 1) % self.settings.slots if self.settings.iterable else progress.position.turn
+        progress.advance(slot, result.snapshot, turn=turn, yielded=True)
         self._dispatch()
         if result.kind is Kind.ERROR:
             if not isinstance(result.payload, WorkerError):
                 raise TypeError(f"an error result carried a {type(result.payload).__name__}")
-            raise result.payload.rebuild(self._where(self._last_slot, task))
+            raise result.payload.rebuild(self._where(slot, task))
         if self.settings.iterable:
             self._check_reported_length()
         data = result.payload
@@ -264,7 +272,9 @@ class SnapIterator:
             data = torch_pin_memory.pin_memory(data, self.settings.pin_device)
         return data
 
-    def _next_result(self) -> tuple[Task, Result] | None:
+    def _next_result(self) -> tuple[int, Task, Result] | None:
+        """The slot, task and result of the next batch in the fixed order, or None at
+        the end of the epoch. An iterable slot's "exhausted" reply is published here."""
         progress = self.progress
         runner = self.runner
         if runner is None:
@@ -273,22 +283,21 @@ class SnapIterator:
         if not self.settings.iterable:
             if self.plan_done and progress.yielded >= self.dispatched:
                 return None
-            self._last_slot = progress.yielded % slots
-            return runner.next_result(self._last_slot)
+            slot = progress.yielded % slots
+            return (slot, *runner.next_result(slot))
+        turn = progress.position.turn
         while not all(ledger.exhausted for ledger in progress.workers):
-            slot = progress.turn
+            slot = turn
+            turn = (slot + 1) % slots
             if progress.workers[slot].exhausted:
-                progress.turn = (slot + 1) % slots
                 continue
+            # When next_result raises (a poison batch, a timeout), the published turn
+            # still points at this slot, so state_dict() resumes at its batch.
             task, result = runner.next_result(slot)
-            # Only now: when next_result raises (a poison batch, a timeout),
-            # state_dict() must still resume at this worker's turn.
-            progress.turn = (slot + 1) % slots
             if result.kind is Kind.EXHAUSTED:
-                progress.workers[slot].record(result.snapshot)
+                progress.advance(slot, result.snapshot, turn=turn, yielded=False)
                 continue
-            self._last_slot = slot
-            return task, result
+            return slot, task, result
         return None
 
     def _check_reported_length(self) -> None:
@@ -322,7 +331,7 @@ class SnapIterator:
         return where
 
     def _end_epoch(self) -> None:
-        self.progress.ended = True
+        self.progress.end()
         if not self.settings.persistent_workers:
             self.close()
         elif self.runner is not None:

@@ -6,18 +6,23 @@ yielded none this epoch). Keeping that one snapshot per worker, updated as batch
 yielded, is what makes ``state_dict()`` free: it never talks to a worker, never waits,
 and is O(num_workers) in size whatever the dataset length. Prefetched-but-unconsumed
 batches are simply produced again on restore, from those snapshots, identically.
+
+``state_dict()`` may be called from any thread (async checkpointing does): the ledgers
+are immutable, and each step of the epoch publishes a new :class:`Position` with one
+attribute assignment, so a reader sees the position before a batch or after it, never
+half of each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._protocol import Resume, Snapshot
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkerLedger:
     """Where one worker slot stands, as of the batches the loader has yielded.
 
@@ -32,13 +37,17 @@ class WorkerLedger:
     yielded: Snapshot | None = None
     yielded_complete: Snapshot | None = None
     exhausted: bool = False
+    # The checkpoint form of this (immutable) ledger, made once (_checkpoint.py).
+    cache: list[Any] = field(default_factory=list, compare=False, repr=False)
 
-    def record(self, snapshot: Snapshot) -> None:
-        self.yielded = snapshot
-        if snapshot.complete:
-            self.yielded_complete = snapshot
-        if snapshot.exhausted:
-            self.exhausted = True
+    def record(self, snapshot: Snapshot) -> WorkerLedger:
+        """The ledger after the batch (or "exhausted" reply) ``snapshot`` came with."""
+        return WorkerLedger(
+            epoch_start=self.epoch_start,
+            yielded=snapshot,
+            yielded_complete=snapshot if snapshot.complete else self.yielded_complete,
+            exhausted=self.exhausted or snapshot.exhausted,
+        )
 
     def next_epoch(self) -> WorkerLedger:
         """The ledger a persistent worker starts its next epoch with."""
@@ -91,31 +100,69 @@ def replay_without_protocol(ledger: WorkerLedger) -> int:
     return resume_from(ledger.epoch_start, at, ledger.yielded_complete).replay
 
 
-@dataclass
+@dataclass(frozen=True)
+class Position:
+    """Where an epoch stands, published whole (see the module docstring)."""
+
+    yielded: int
+    turn: int
+    workers: tuple[WorkerLedger, ...]
+    ended: bool = False
+    sampler_state: Any = None  # the stateful sampler's state before the next batch
+
+
+@dataclass(eq=False)
 class EpochProgress:
-    """Everything ``state_dict()`` needs about the current epoch; plain fields only."""
+    """Everything ``state_dict()`` needs about the current epoch: what is fixed for the
+    epoch, and the published :class:`Position`."""
 
     epoch: int
     rng_start: bytes
     base_seed: int
     drew_base_seed: bool
-    workers: list[WorkerLedger]
-    yielded: int = 0
-    turn: int = 0
-    ended: bool = False
+    position: Position
     sampler_epoch: int | None = None
     plan_skip: int = 0  # batches the plan skipped when it was built (a restore)
     plan: Any = field(default=None, repr=False)  # the IndexPlan, for sampler states
 
-    def sampler_state(self) -> Any:
+    @property
+    def workers(self) -> tuple[WorkerLedger, ...]:
+        return self.position.workers
+
+    @property
+    def yielded(self) -> int:
+        return self.position.yielded
+
+    @property
+    def ended(self) -> bool:
+        return self.position.ended
+
+    def attach_plan(self, plan: Any) -> None:
+        """The epoch's IndexPlan, once drawn; the position then carries its state."""
+        self.plan = plan
+        self.position = replace(self.position, sampler_state=self._sampler_state(self.yielded))
+
+    def _sampler_state(self, yielded: int) -> Any:
         if self.plan is None:
             return None
-        return self.plan.sampler_state_before(self.yielded - self.plan_skip)
+        return self.plan.sampler_state_before(yielded - self.plan_skip)
 
-    def forget_consumed(self) -> None:
-        """Called after each yield: sampler states before it are no longer needed."""
-        if self.plan is not None:
-            self.plan.forget_before(self.yielded - self.plan_skip)
+    def advance(self, slot: int, snapshot: Snapshot, *, turn: int, yielded: bool) -> None:
+        """Publish the position after ``slot``'s batch (``yielded``) or its "exhausted"
+        reply, with the round-robin at ``turn``."""
+        position = self.position
+        workers = list(position.workers)
+        workers[slot] = workers[slot].record(snapshot)
+        count = position.yielded + 1 if yielded else position.yielded
+        self.position = Position(count, turn, tuple(workers), False, self._sampler_state(count))
+        if yielded and self.plan is not None:
+            self.plan.forget_before(count - self.plan_skip)
+
+    def end(self) -> None:
+        """Publish that the epoch is over."""
+        self.position = replace(
+            self.position, ended=True, sampler_state=self._sampler_state(self.yielded)
+        )
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ from typing import Any, Final
 import torch
 import torch.utils.data as torch_data
 
-from ._checkpoint import Fingerprint, build_state, fingerprint_of, read_state
+from ._checkpoint import Fingerprint, LoaderFacts, build_state, fingerprint_of, read_state
 from ._errors import ReplayRefusedError
 from ._iterator import LoaderSettings, SnapIterator
 from ._ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
 from ._plan import stateful_part
+from ._protocol import has_state_protocol
 from ._rng import RngSource
 
 _REPLAY_MODES: Final = ("warn", "allow", "refuse")
@@ -196,6 +197,20 @@ class DataLoader(torch_data.DataLoader):
             generator=self.generator,
         )
 
+    def _facts(self) -> LoaderFacts:
+        batches: int | None = None
+        if not self._iterable:
+            try:
+                batches = len(self._index_sampler)  # type: ignore[arg-type]
+            except TypeError:
+                batches = None  # a sampler without __len__
+        return LoaderFacts(
+            iterable=self._iterable,
+            slots=max(1, self.num_workers),
+            dataset_has_protocol=has_state_protocol(self.dataset),
+            batches_per_epoch=batches,
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands: plain data, O(num_workers) in size, taken without
         talking to a worker. Load it with :meth:`load_state_dict` into a loader built
@@ -219,7 +234,7 @@ class DataLoader(torch_data.DataLoader):
             state,
             self._fingerprint(),
             frozenset(allow_mismatch),
-            max(1, self.num_workers),
+            self._facts(),
             self.persistent_workers,
         )
         if self.replay == "refuse" and restore.start.restore_rng is not None:

@@ -266,6 +266,47 @@ def _seed_parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
     return _seed_cache[1]
 
 
+_TORCH_STATE_BYTES: Final = 5056
+
+
+def check_rng(blob: bytes, seeded: bool) -> None:
+    """Raise ValueError unless ``blob`` is a well-formed :func:`capture_rng` encoding
+    (``seeded``: captured relative to a seed state). Every byte that ends up in a C
+    struct is range-checked here, so a restore from a checked blob cannot corrupt
+    memory: a Mersenne Twister position past its 624 words would make the next draw
+    read past the end of the state array."""
+    if not blob:
+        raise ValueError("it is empty")
+    flags = blob[0]
+    if flags > 0b111 or (flags and not seeded):
+        raise ValueError(f"its flags byte is {flags}; expected 0 to 7 (0 for a main-process state)")
+    at = 1
+    for bit, name in enumerate(("Python random", "NumPy")):
+        if flags & (1 << bit):
+            continue
+        part = blob[at : at + _PY_BLOB]
+        if len(part) != _PY_BLOB:
+            raise ValueError(f"its {name} state is cut short ({len(part)} of {_PY_BLOB} bytes)")
+        (position,) = struct.unpack_from("<i", part)
+        if not 0 <= position <= _MT_WORDS:
+            raise ValueError(f"its {name} state has position {position}; expected 0 to {_MT_WORDS}")
+        if part[_MT_BYTES] > 1:
+            raise ValueError(f"its {name} state has a gaussian flag of {part[_MT_BYTES]}; expected 0 or 1")
+        at += _PY_BLOB
+    if flags & 0b100:
+        if at != len(blob):
+            raise ValueError(f"it has {len(blob) - at} bytes after its last state")
+        return
+    try:
+        state = unpack_torch_state(blob[at:])
+        if len(state) != _TORCH_STATE_BYTES:
+            raise ValueError(f"{len(state)} bytes")
+        # torch range-checks the state it is given; a throwaway generator takes the blow.
+        torch.Generator().set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    except (ValueError, RuntimeError) as exc:
+        raise ValueError(f"its torch state is not one torch accepts ({exc})") from None
+
+
 class NativeRng:
     """The three global RNG states of this process as read, not yet encoded.
 
@@ -309,6 +350,7 @@ class NativeRng:
 
     @staticmethod
     def decode(blob: bytes, seed: bytes | None) -> NativeRng:
+        check_rng(blob, seeded=seed is not None)
         flags, rest = blob[0], blob[1:]
         if flags:
             if seed is None:
@@ -374,6 +416,11 @@ class RngSource:
     def get_state(self) -> bytes:
         state = torch.get_rng_state() if self.generator is None else self.generator.get_state()
         return pack_torch_state(state.numpy().tobytes())
+
+    @staticmethod
+    def check_state(state: bytes) -> None:
+        """Raise ValueError unless ``state`` (from :meth:`get_state`) is one torch accepts."""
+        check_rng(b"\x03" + state, seeded=True)  # the torch part alone
 
     def set_state(self, state: bytes) -> None:
         tensor = torch.frombuffer(bytearray(unpack_torch_state(state)), dtype=torch.uint8)

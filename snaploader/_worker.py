@@ -29,7 +29,8 @@ import psutil
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from ._checkpoint import check_plain
+from ._errors import CheckpointFormatError
+from ._plain import check_plain
 from ._protocol import (
     Kind,
     Result,
@@ -130,8 +131,21 @@ class WorkerRuntime:
         if mid_epoch is not None:
             restore_rng(mid_epoch.rng, self.seed_rng)
         if self.setup.iterable:
-            for _ in range(msg.replay):
+            target = self.produced + msg.replay
+            while self.produced < target and not self.exhausted:
                 self._replay_one()
+            if self.produced < target:
+                # A checkpoint of this data never claims more batches than the iterator
+                # gives; stop here rather than loop on, and say so when the batch is due.
+                self.pending_error = WorkerError.capture(
+                    CheckpointFormatError(
+                        f"the checkpoint says worker {self.worker_id} had produced {target} "
+                        f"batch(es) of this epoch, but its iterator ran dry after "
+                        f"{self.produced - 1} on replay: the checkpoint does not belong to "
+                        "this dataset (or the dataset's data changed). Load the checkpoint "
+                        "taken with this data, or start the epoch afresh"
+                    )
+                )
         if msg.final_rng is not None:
             restore_rng(msg.final_rng, self.seed_rng)
         if msg.exhausted:

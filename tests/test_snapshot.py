@@ -3,6 +3,7 @@ that a dataset's state is plain checkpoint data."""
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 import snaploader
 from snaploader import StateNotPlainDataError
 from snaploader import _rng as snapshot
-from snaploader._checkpoint import check_plain, snapshot_from_plain, snapshot_to_plain
+from snaploader._plain import check_plain, decode, encode
 from snaploader._protocol import Snapshot
 from snaploader._rng import RAW_RNG_ACCESS, capture_rng, restore_rng
 
@@ -120,13 +121,25 @@ def test_capture_is_compact_bytes() -> None:
     assert len(blob) <= 12 * 1024
 
 
-def test_snapshot_plain_round_trip() -> None:
-    snap = Snapshot(capture_rng(), 7, {"pos": 3, "t": torch.arange(3)}, "dataset", True, False)
-    plain = snapshot_to_plain(snap)
-    check_plain(plain, "snapshot")
-    back = snapshot_from_plain(plain)
-    assert back.rng == snap.rng and back.produced == 7 and back.data_owner == "dataset"
-    assert back.complete and not back.exhausted and torch.equal(back.data["t"], torch.arange(3))
+def test_user_state_round_trips_exactly_through_json() -> None:
+    # What a dataset's state_dict() returns comes back from a JSON-safe checkpoint as
+    # it was returned: tuples stay tuples, bytes stay bytes, int keys stay ints.
+    state = {
+        "pos": 3,
+        "t": torch.arange(6, dtype=torch.int16).reshape(2, 3),
+        "empty": torch.empty(0, 2),
+        "raw": b"\x00\xffab",
+        "pair": (1, (2.5, None)),
+        5: {"nested": [True, "s"]},
+        "__snaploader__": "a user key that looks like the tag",
+    }
+    check_plain(state, "state")
+    encoded = encode(state)
+    back = decode(json.loads(json.dumps(encoded)), "state")
+    assert set(back) == set(state) and back[5] == state[5] and back["pair"] == state["pair"]
+    assert back["raw"] == state["raw"] and back["__snaploader__"] == state["__snaploader__"]
+    for key in ("t", "empty"):
+        assert back[key].dtype == state[key].dtype and torch.equal(back[key], state[key])
 
 
 def test_check_plain_accepts_plain_data() -> None:

@@ -1,0 +1,61 @@
+#!/usr/bin/env python
+"""Fuzz loader checkpoints: mutate real states one field at a time and load each
+mutant into a fresh loader, for every configuration of ``tests/_fuzz.py`` (map-style
+and iterable, with and without the state protocol, W=0 and W=2, persistent workers).
+
+    python stress/fuzz_checkpoints.py --seconds 300   # a long run, for people
+    python stress/fuzz_checkpoints.py --quick         # the CI variant (about 30 s)
+
+Half the mutants are re-signed (their digest recomputed, as a deliberate editor would),
+so that the checks behind the digest are reached too. Every mutant must either fail
+with a named ``CheckpointFormatError``/``CheckpointMismatchError`` ("clear") or resume
+exactly the stream the original resumes ("identical"). Summary line (the last line):
+
+    mutants=N clear=N identical=N other=N
+
+Exit status 1 when ``other`` is not 0; each such mutant is printed with what was done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests._fuzz import CONFIGS, build_case, check_one  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=120.0, help="how long to fuzz")
+    parser.add_argument("--seed", type=int, default=None, help="the run's seed (drawn and printed if absent)")
+    parser.add_argument("--quick", action="store_true", help="the short bounded CI variant")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds = 30.0
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
+    rng = random.Random(seed)
+    print(f"fuzz_checkpoints: seed={seed} seconds={args.seconds:g}", flush=True)
+    cases = [build_case(name) for name in sorted(CONFIGS)]
+    counts = {"clear": 0, "identical": 0, "other": 0}
+    deadline = time.monotonic() + args.seconds
+    while time.monotonic() < deadline:
+        case = rng.choice(cases)
+        result, what = check_one(case, rng)
+        if result in counts:
+            counts[result] += 1
+        else:
+            counts["other"] += 1
+            print(f"  {case.name}: {what}: {result}", flush=True)
+    mutants = sum(counts.values())
+    print(f"mutants={mutants} clear={counts['clear']} identical={counts['identical']} other={counts['other']}")
+    return 1 if counts["other"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Checkpoint fuzzing shared by ``tests/test_checkpoint.py`` and
+``stress/fuzz_checkpoints.py``: real states from several configurations, mutated one
+field at a time, each mutant loaded into a fresh loader.
+
+The property: a mutant either raises a named ``CheckpointFormatError`` /
+``CheckpointMismatchError`` at ``load_state_dict`` (or at the first ``next()`` for what
+only the data can tell, still as ``CheckpointFormatError``), or resumes the very stream
+the original state resumes. Anything else (another exception, a crash, a different
+stream) is a bug.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import snaploader
+from snaploader import _checkpoint
+
+from ._datasets import Augmented
+from ._iterable_datasets import IteratorStateStream, PlainStream
+from ._support import assert_same_stream, generator, through_bytes
+
+CLEAR = (snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError)
+
+
+@dataclass
+class Case:
+    """One configuration: how to build its loader, a real state, and what follows it."""
+
+    name: str
+    make: Callable[[], snaploader.DataLoader]
+    state: dict[str, Any]
+    expected: list[list[Any]]  # the rest of the cut epoch, then the next epoch
+
+
+def _map_loader(workers: int, persistent: bool = False) -> Callable[[], snaploader.DataLoader]:
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(
+            Augmented(14), batch_size=3, shuffle=True, num_workers=workers,
+            persistent_workers=persistent, generator=generator(5), timeout=60 if workers else 0,
+        )
+
+    return make
+
+
+def _iter_loader(cls: type, workers: int) -> Callable[[], snaploader.DataLoader]:
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(
+            cls(n=13), batch_size=2, num_workers=workers, generator=generator(5),
+            replay="allow", timeout=60 if workers else 0,
+        )
+
+    return make
+
+
+CONFIGS: dict[str, tuple[Callable[[], snaploader.DataLoader], int, int]] = {
+    # name: (factory, epochs run before the cut epoch, batches into the cut epoch)
+    "map-w0": (_map_loader(0), 0, 2),
+    "map-w2-persistent": (_map_loader(2, persistent=True), 1, 3),
+    "iter-protocol-w2": (_iter_loader(IteratorStateStream, 2), 0, 3),
+    "iter-plain-w0": (_iter_loader(PlainStream, 0), 0, 3),
+}
+
+
+def _drain(loader: snaploader.DataLoader) -> list[list[Any]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [list(loader), list(loader)]
+
+
+def build_case(name: str) -> Case:
+    make, before, cut = CONFIGS[name]
+    loader = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(before):
+            list(loader)
+        iterator = iter(loader)
+        for _ in range(cut):
+            next(iterator)
+        state = through_bytes(loader.state_dict())
+        del iterator
+    resumed = make()
+    resumed.load_state_dict(copy.deepcopy(state))
+    return Case(name, make, state, _drain(resumed))
+
+
+# -- mutations -----------------------------------------------------------------------
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out += _paths(item, prefix + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            out += _paths(item, prefix + (i,))
+    return out
+
+
+def _replacements(old: Any, rng: random.Random) -> list[Any]:
+    options: list[Any] = [None, True, False, -1, 0, 1, 2**62, -(2**31), "x", [], {}, 0.5]
+    if isinstance(old, bool):
+        options.append(not old)
+    elif isinstance(old, int):
+        options += [old + 1, old - 1, -old, old * 2 + 7]
+    elif isinstance(old, str) and old:
+        i = rng.randrange(len(old))
+        flipped = "A" if old[i] != "A" else "B"
+        options += [old[:i] + flipped + old[i + 1 :], old[: len(old) // 2], old + "AAAA"]
+    elif isinstance(old, list):
+        options += [old[:-1], old + old[-1:], list(reversed(old))]
+    return options
+
+
+def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], str]:
+    """A copy of ``state`` with one value replaced, removed or added, re-signed half the
+    time (a deliberate editor) unless it is inside the user's own state, and what was
+    done."""
+    mutant = copy.deepcopy(state)
+    path = rng.choice(_paths(mutant))
+    parent: Any = mutant
+    for key in path[:-1]:
+        parent = parent[key]
+    key = path[-1]
+    action = rng.random()
+    if action < 0.1 and isinstance(parent, dict):
+        del parent[key]
+        what = f"removed {path}"
+    elif action < 0.15 and isinstance(parent, dict):
+        parent["unexpected"] = 1
+        what = f"added a key beside {path}"
+    else:
+        new = rng.choice(_replacements(parent[key], rng))
+        parent[key] = new
+        what = f"set {path} to {new!r:.40}"
+    # A deliberate editor's change to the user's own state (a dataset's or sampler's
+    # state_dict()) is the user's protocol's to judge; snaploader's fields are not.
+    users = "data" in path or path[:2] == ("sampler_state", "state")
+    if not users and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
+        try:
+            mutant["digest"] = _checkpoint.digest_of(
+                mutant, [_checkpoint._sha256(w) for w in mutant["workers"]]
+            )
+            what += " (re-signed)"
+        except Exception:
+            pass
+    return mutant, what
+
+
+def outcome(case: Case, mutant: dict[str, Any]) -> str:
+    """"clear", "identical", or a description of what went wrong."""
+    loader = case.make()
+    try:
+        loader.load_state_dict(mutant)
+    except CLEAR:
+        return "clear"
+    except Exception as exc:
+        return f"load raised {type(exc).__name__}: {exc}"
+    try:
+        got = _drain(loader)
+    except snaploader.CheckpointFormatError:
+        return "clear"
+    except Exception as exc:
+        return f"iteration raised {type(exc).__name__}: {exc}"
+    try:
+        assert_same_stream(got[0] + got[1], case.expected[0] + case.expected[1])
+    except AssertionError as exc:
+        return f"loaded silently and yielded a different stream ({exc})"
+    return "identical"
+
+
+def check_one(case: Case, rng: random.Random) -> tuple[str, str]:
+    mutant, what = mutate(case.state, rng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return outcome(case, mutant), what
