@@ -2,9 +2,11 @@
 
 The conventions, for whoever writes a doc:
 
-- A fenced ```` ```python ```` block is a program. It runs as a script
-  (``sys.executable block.py``, so ``__name__ == "__main__"`` and spawn workers
-  re-import it as they would a user's script), in a fresh process, with a timeout.
+- A fenced ```` ```python ```` block is a program. It runs as a script, in a process
+  of its own, with a timeout: ``tests/_doc_runner.py`` (started once with
+  ``sys.executable``, after importing torch, which takes seconds) forks a child per
+  block that runs it with ``__name__ == "__main__"`` and ``__file__`` set, so spawn
+  workers re-import it as they would a user's script.
   The blocks of one document run in their order, each in its own process, in one
   temporary directory: a later block may read a file an earlier one wrote (a
   checkpoint saved by one block and resumed by the next, as in a new process).
@@ -28,8 +30,11 @@ from __future__ import annotations
 
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,21 +122,63 @@ def _skip_reason(block: Block) -> str | None:
     return None
 
 
-def _run_python(block: Block, workdir: Path) -> str | None:
-    """Run one block as a script; the failure, or None."""
-    name = re.sub(r"[^A-Za-z0-9]+", "_", block.where) + ".py"
-    script = workdir / name
-    script.write_text(block.setup + block.code + block.check)
-    try:
-        done = subprocess.run(
-            [sys.executable, name], cwd=workdir, capture_output=True, text=True,
-            timeout=_BLOCK_TIMEOUT_S,
+class _Runner:
+    """The ``_doc_runner.py`` process, restarted after a block that timed out."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("_doc_runner.py"))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
         )
-    except subprocess.TimeoutExpired:
+
+    def run(self, script: Path) -> int | None:
+        """The script's exit status, or None when it timed out."""
+        if self.proc is None:
+            self.start()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{script}\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], _BLOCK_TIMEOUT_S)
+        if ready:
+            return int(self.proc.stdout.readline())
+        self.close()  # the block's process and its workers are in the runner's session
+        return None
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[_Runner]:
+    # Module-scoped, so it exists before each test's leak check starts counting.
+    started = _Runner()
+    yield started
+    started.close()
+
+
+def _run_python(block: Block, workdir: Path, runner: _Runner) -> str | None:
+    """Run one block as a script; the failure, or None."""
+    script = workdir / (re.sub(r"[^A-Za-z0-9]+", "_", block.where) + ".py")
+    script.write_text(block.setup + block.code + block.check)
+    status = runner.run(script)
+    if status is None:
         return f"{block.where}: did not finish in {_BLOCK_TIMEOUT_S:g} s"
-    if done.returncode != 0:
-        return (f"{block.where}: exit status {done.returncode}\n--- script {script}\n"
-                f"{script.read_text()}--- stderr\n{done.stderr[-4000:]}")
+    if status != 0:
+        output = Path(f"{script}.out").read_text()
+        return (f"{block.where}: exit status {status}\n--- script {script}\n"
+                f"{script.read_text()}--- output\n{output[-4000:]}")
     return None
 
 
@@ -147,7 +194,7 @@ def _run_bash(block: Block) -> str | None:
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda doc: str(doc.relative_to(ROOT)))
-def test_code_blocks_run(doc: Path, tmp_path: Path) -> None:
+def test_code_blocks_run(doc: Path, tmp_path: Path, runner: _Runner) -> None:
     failures = []
     skipped = []
     for block in blocks(doc):
@@ -160,7 +207,7 @@ def test_code_blocks_run(doc: Path, tmp_path: Path) -> None:
                     failures.append(f"{block.where}: a fragment that does not compile: {exc}")
                 continue
             assert not block.marks, f"{block.where}: unknown mark {block.marks}; only 'fragment'"
-            failure = _run_python(block, tmp_path)
+            failure = _run_python(block, tmp_path, runner)
         elif block.language in _SHELL:
             reason = _skip_reason(block)
             if reason is not None:
