@@ -2,7 +2,7 @@
 """Side-by-side benchmark: snaploader vs torch's DataLoader (vs torchdata's
 StatefulDataLoader when it is installed), on the workloads of issue 5.
 
-    python stress/bench.py            # the full run (~15 minutes on 2 cores)
+    python stress/bench.py            # the full run (about 10-15 minutes on 2 cores)
     python stress/bench.py --quick    # the CI smoke test (~2 minutes)
     python stress/bench.py --out DIR  # where results go (default: bench-results/)
 
@@ -916,11 +916,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     tw = str(report["config"]["table_workers"])
     names = [c for c in report["config"]["contenders"] if report["contenders"][c]["skipped"] is None]
     others = [c for c in names if c != "torch"]
+    total_s = report.get("timing_s", {}).get("total")  # how long the whole run took
     lines = [
         f"Run: {report['meta']['started']} · mode `{report['config']['mode']}` · "
         f"{report['meta']['cpus']} CPUs · torch {report['meta']['torch']} · "
         + " · ".join(f"{c} {report['contenders'][c]['version']}" for c in others)
-        + f" · median of {report['config']['repeats']} interleaved repeats · num_workers={tw}",
+        + f" · median of {report['config']['repeats']} interleaved repeats · num_workers={tw}"
+        + (f" · took {total_s / 60:.1f} min" if total_s is not None else ""),
         "",
     ]
     skipped = [f"{c}: {v['skipped']}" for c, v in report["contenders"].items() if v["skipped"]]

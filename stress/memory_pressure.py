@@ -6,6 +6,7 @@ sample that exhausts memory every time ends in WorkerCrashedError.
     python stress/memory_pressure.py                 # every case, a few rounds
     python stress/memory_pressure.py --quick         # the CI variant (under a minute)
     python stress/memory_pressure.py --mechanism rlimit
+    python stress/memory_pressure.py --seed 7        # repeat a run's shuffle order
 
 The limit (``--mechanism``, default ``auto``: the first that works):
 
@@ -29,6 +30,10 @@ Cases (each under fork and spawn, persistent workers off and on):
   loader raises WorkerCrashedError naming SIGKILL, the out-of-memory killer and the
   batch, and a ``state_dict()`` taken then resumes a healthy loader at that batch.
 
+``--seed N`` seeds the loaders' generator, so it decides the shuffle order and hence in
+which batch, of which worker, sample 13 lands; without it a seed is drawn at random.
+The first line of output names the seed, so a failing run can be repeated.
+
 Summary line (the last line of output):
 
     runs=N kills=N failures=N leaks=N mechanism=... kernel_kills=N converted=N
@@ -41,6 +46,7 @@ import faulthandler
 import functools
 import multiprocessing.resource_tracker
 import os
+import random
 import resource
 import sys
 import tempfile
@@ -138,7 +144,7 @@ def probe_cgroup(path: Path) -> None:
 # -- the cases -------------------------------------------------------------------------------
 
 
-def make_loader(dataset: Any, context: str, persistent: bool, init: Any) -> DataLoader:
+def make_loader(dataset: Any, context: str, persistent: bool, init: Any, seed: int) -> DataLoader:
     return DataLoader(
         dataset,
         batch_size=_BATCH,
@@ -146,7 +152,7 @@ def make_loader(dataset: Any, context: str, persistent: bool, init: Any) -> Data
         num_workers=2,
         worker_init_fn=init,
         multiprocessing_context=context,
-        generator=torch.Generator().manual_seed(5),
+        generator=torch.Generator().manual_seed(seed),
         persistent_workers=persistent,
         max_worker_retries=_RETRIES,
     )
@@ -166,10 +172,10 @@ def epochs(loader: DataLoader, count: int) -> list[list[str]]:
 
 
 def run_case(context: str, persistent: bool, permanent: bool, init: Any, tmp: Path,
-             converted_dir: str, reference: list[list[str]]) -> tuple[int, str]:
+             converted_dir: str, reference: list[list[str]], seed: int) -> tuple[int, str]:
     """(deaths seen, problem or "")."""
     marker = None if permanent else str(tmp / f"oom-{time.monotonic_ns()}")
-    loader = make_loader(OomOnce(_N, _ITEM, marker, converted_dir), context, persistent, init)
+    loader = make_loader(OomOnce(_N, _ITEM, marker, converted_dir), context, persistent, init, seed)
     n_epochs = len(reference)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -202,7 +208,7 @@ def run_case(context: str, persistent: bool, permanent: bool, init: Any, tmp: Pa
             return deaths, f"the error does not say {needle!r}: {error}"
     if got_batches != reference[0][:failed]:
         return deaths, "the batches before the error differ from the uninterrupted ones"
-    healthy = make_loader(OomOnce(_N, -1, None, converted_dir), "fork", persistent, None)
+    healthy = make_loader(OomOnce(_N, -1, None, converted_dir), "fork", persistent, None, seed)
     healthy.load_state_dict(loader.state_dict())
     if epochs(healthy, 1)[0] != reference[0][failed:]:
         return deaths, "state_dict() after the error does not resume at the failed batch"
@@ -215,7 +221,9 @@ def main() -> int:
     parser.add_argument("--limit-mib", type=int, default=256, help="memory a worker may add")
     parser.add_argument("--rounds", type=int, default=2, help="times to run every case")
     parser.add_argument("--quick", action="store_true", help="the short bounded CI variant")
+    parser.add_argument("--seed", type=int, default=None, help="the loaders' generator seed (default: random)")
     args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     faulthandler.dump_traceback_later(1800, exit=True)  # never hang CI
     limit = args.limit_mib << 20
     tmp = Path(tempfile.mkdtemp(prefix="snaploader-memory-"))
@@ -243,7 +251,7 @@ def main() -> int:
     if cgroup is None:
         mechanism = f"rlimit-as(+{args.limit_mib}MiB, MemoryError converted to SIGKILL)"
         init = functools.partial(limit_address_space, limit)
-    print(f"memory_pressure: mechanism={mechanism}", flush=True)
+    print(f"memory_pressure: seed={seed} mechanism={mechanism}", flush=True)
 
     if args.quick:
         cases = [("fork", False, False), ("fork", True, True), ("spawn", True, False)]
@@ -251,7 +259,10 @@ def main() -> int:
     else:
         cases = [(c, p, perm) for c in ("fork", "spawn") for p in (False, True) for perm in (False, True)]
         rounds = args.rounds
-    references = {p: epochs(make_loader(OomOnce(_N, -1, None, str(converted_dir)), "fork", p, None), 2) for p in (False, True)}
+    references = {
+        p: epochs(make_loader(OomOnce(_N, -1, None, str(converted_dir)), "fork", p, None, seed), 2)
+        for p in (False, True)
+    }
     runs = kills = failures = 0
     try:
         for _ in range(rounds):
@@ -259,7 +270,8 @@ def main() -> int:
                 started = time.monotonic()
                 reference = references[persistent] if persistent else references[persistent][:1]
                 try:
-                    deaths, problem = run_case(context, persistent, permanent, init, tmp, str(converted_dir), reference)
+                    deaths, problem = run_case(context, persistent, permanent, init, tmp, str(converted_dir),
+                                               reference, seed)
                 except Exception:
                     deaths, problem = 0, traceback.format_exc()
                 runs += 1

@@ -96,6 +96,7 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
 
     markdown = (tmp_path / "results.md").read_text()
     assert markdown == bench.render_markdown(report)
+    assert f"took {report['timing_s']['total'] / 60:.1f} min" in markdown.splitlines()[0]
     rows = [line for line in markdown.splitlines() if line.startswith("| ")]
     for name in config.workloads:
         assert sum(line.startswith(f"| {name} |") for line in rows) == 1, name
