@@ -91,12 +91,12 @@ def check_fingerprint(state: dict[str, Any], mine: Fingerprint, allowed: frozens
         )
     lines = mine.mismatches(state["fingerprint"], allowed)
     if lines:
-        names = ", ".join(repr(line.split(":")[0].strip()) for line in lines)
+        names = ", ".join(repr(line.split(":")[0].strip()) for line in lines) + ("," if len(lines) == 1 else "")
         raise CheckpointMismatchError(
             "the checkpoint was taken from a loader built differently:\n"
             + "\n".join(lines)
             + "\nBuild the loader with the checkpoint's arguments to resume exactly, or "
-            f"pass load_state_dict(state, allow_mismatch=({names},)) to accept the "
+            f"pass load_state_dict(state, allow_mismatch=({names})) to accept the "
             "difference knowingly (the resumed stream then differs from the original)"
         )
 

@@ -87,7 +87,8 @@ class DataLoader(torch_data.DataLoader):
         if num_workers > 0 and self.prefetch_factor == 0:
             raise ValueError(
                 "prefetch_factor=0 with num_workers > 0 would never send a batch to a "
-                "worker (torch's DataLoader then yields nothing); use prefetch_factor >= 1"
+                "worker (torch's DataLoader accepts it at construction, then raises "
+                "AssertionError at iter()); use prefetch_factor >= 1"
             )
         if not in_order:
             warnings.warn(
