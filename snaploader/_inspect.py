@@ -15,7 +15,9 @@ import argparse
 import base64
 import io
 import json
+import os
 import sys
+import zipfile
 from collections.abc import Iterator, Sequence
 from typing import Any, Final, TextIO
 
@@ -177,19 +179,27 @@ def size_bytes(state: dict[str, Any]) -> int:
 
 
 def load(path: str) -> Any:
+    if os.path.isdir(path):
+        raise InspectError(f"{path} is a folder; give the checkpoint file")
+    if not os.path.exists(path):
+        raise InspectError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as file:
+            legacy = file.read(1) == b"\x80"  # torch.save's old, pickle-first format
+        if not legacy:
+            raise InspectError(f"{path} was not written by torch.save (it is no zip archive); give a checkpoint file")
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError:
-        raise InspectError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise InspectError(f"{path} is a folder; give the checkpoint file") from None
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InspectError(
-            f"{path} could not be read with torch.load(weights_only=True): {first:.300}. Is it a "
-            "file written by torch.save? (A checkpoint holding arbitrary objects needs them "
-            "saved as plain data: snaploader's loader state always is.)"
-        ) from None
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        refused = [line.strip() for line in lines if "Unsupported global" in line]
+        if refused:
+            raise InspectError(
+                f"{path} holds objects that torch.load(weights_only=True) refuses to build "
+                f"({refused[0]:.200}); inspect runs no code from a checkpoint. Save the "
+                "loader state with the rest as plain data (loader.state_dict() always is)"
+            ) from None
+        raise InspectError(f"{path} could not be read with torch.load(weights_only=True): {lines[0]:.300}") from None
 
 
 def inspect(path: str, key: str | None) -> list[dict[str, Any]]:

@@ -183,6 +183,10 @@ def test_unreadable_files_exit_2(tmp_path: Path) -> None:
     junk = tmp_path / "junk.pt"
     junk.write_text("not a checkpoint")
     code, _, err = inspect(str(junk))
-    assert code == 2 and "could not be read with torch.load(weights_only=True)" in err
+    assert code == 2 and "was not written by torch.save" in err
+    objects = tmp_path / "objects.pt"
+    torch.save({"loader": Path("x")}, objects)
+    code, _, err = inspect(str(objects))
+    assert code == 2 and "holds objects that torch.load(weights_only=True) refuses" in err, err
     code, _, err = inspect(str(tmp_path))
     assert code == 2 and "is a folder" in err
