@@ -437,7 +437,7 @@ def verify(options: Options, out: TextIO, err: TextIO) -> int:
             cut.got = result["batches"]
             cut.difference = first_difference(expected, cut.got)
             cut.compared = len(expected) if cut.difference is None else cut.difference.index + 1
-            cut.notes = tuple(result["notes"])
+            cut.notes = tuple(f"cut {','.join(cut.labels)}: {note}" for note in result["notes"])
             return cut
 
         def again() -> dict[str, Any]:

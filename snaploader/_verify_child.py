@@ -46,6 +46,7 @@ import psutil
 import torch
 import torch.utils.data as torch_data
 
+from .errors import WorkerRespawnedWarning
 from .loader import DataLoader
 
 CUT_NAMES: Final = ("first", "mid", "end", "boundary")
@@ -498,6 +499,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         text = "".join(traceback.format_exception(exc))
         return {"ok": False, "error": {"kind": "pipeline", "message": text}}
     notes = built_notes + result.pop("notes", [])
+    if not any(issubclass(w.category, WorkerRespawnedWarning) for w in caught):
+        notes = [n + " (it had no work left in this run: nothing to respawn)" if n.startswith("--kill-worker: SIGKILLed")
+                 else n for n in notes]
     for warning in caught:
         line = f"{warning.category.__name__}: {str(warning.message).splitlines()[0]}"
         # WorkerRespawnedWarning (a RuntimeWarning) and the replay notice (a UserWarning)
