@@ -31,7 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("demo", help="kill a training process and a worker, resume, compare (about a minute)")
     args = parser.parse_args(argv)
     if args.command == "verify":
-        return _verify.run_parsed(args, sys.stdout, sys.stderr)
+        try:
+            return _verify.run_parsed(args, sys.stdout, sys.stderr)
+        except KeyboardInterrupt:
+            print("\nsnaploader verify: interrupted; its runs were stopped", file=sys.stderr)
+            return 130
     if args.command == "inspect":
         return _inspect.run_parsed(args, sys.stdout, sys.stderr)
     if args.command == "demo":

@@ -109,6 +109,16 @@ class Runner:
         self.folder = folder
         self.count = 0
         self.lock = threading.Lock()
+        self.live: set[subprocess.Popen[str]] = set()
+
+    def kill_all(self) -> None:
+        """End every run in flight with its workers (verify was interrupted)."""
+        with self.lock:
+            for process in self.live:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def run(self, job: dict[str, Any], phase: str, hash_seed: str | None = None) -> dict[str, Any]:
         with self.lock:
@@ -125,6 +135,8 @@ class Runner:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True,
         )
+        with self.lock:
+            self.live.add(process)
         try:
             _, stderr = process.communicate(timeout=self.options.timeout_s)
         except subprocess.TimeoutExpired:
@@ -135,6 +147,8 @@ class Runner:
                 "it was killed with its workers. Lower --max-batches or --epochs, or raise --timeout-s"
             )}}
         finally:
+            with self.lock:
+                self.live.discard(process)
             # Workers the run left behind (it was killed, or it crashed) go with it.
             try:
                 os.killpg(process.pid, signal.SIGKILL)
@@ -269,8 +283,9 @@ _NONDETERMINISTIC: Final = (
 _HASH_SEED: Final = (
     "not a resume problem: the pipeline depends on Python's hash seed. Uninterrupted runs "
     "with PYTHONHASHSEED=0 agree with each other and differ from one with PYTHONHASHSEED=1 "
-    "(first at {where}): something iterates a set, or a dict keyed by hash order, of str or "
-    "bytes. Sort it, or set PYTHONHASHSEED to the same value for training and resume."
+    "(first at {where}): something uses hash() of a str or bytes, or iterates a set of them. "
+    "Sort it, use a stable hash (zlib.crc32, hashlib), or set PYTHONHASHSEED to the same "
+    "value for training and resume."
 )
 _RESUMED_AGREE: Final = "a second uninterrupted run and the resumed runs agree with each other"
 _RERUNS_AGREE: Final = "uninterrupted runs made now agree with each other, whatever the hash seed,"
@@ -401,57 +416,71 @@ def verify(options: Options, out: TextIO, err: TextIO) -> int:
     with tempfile.TemporaryDirectory(prefix="snaploader-verify-") as folder, \
             ThreadPoolExecutor(max_workers=options.jobs) as pool:
         runner = Runner(options, Path(folder))
-        progress.step(f"reference run: {options.epochs} epochs, at most {options.max_batches} batches each")
-        reference = runner.run({"mode": "reference", "cuts": list(options.cuts),
-                                "strict_cuts": options.strict_cuts, "state_dir": folder,
-                                "kill_worker": options.kill_worker}, "reference")
-        if not reference["ok"]:
-            progress.done()
-            error = reference["error"]
-            if error["kind"] == "usage":
-                print(f"snaploader verify: {error['message']}", file=err)
-            else:
-                print(f"snaploader verify: the uninterrupted run of {options.target} failed, so there "
-                      f"is nothing to compare; fix the pipeline first.\n{error['message']}", file=err)
-            return 2
-        if options.kill_worker and reference["num_workers"] == 0:
-            progress.done()
-            print("snaploader verify: --kill-worker needs worker processes, and this loader has "
-                  "num_workers=0; drop --kill-worker", file=err)
-            return 2
-        cuts = _group_cuts(reference)
-        if not cuts:
-            progress.done()
-            print(f"snaploader verify: none of the cuts {','.join(options.cuts)} falls inside this "
-                  "run; raise --max-batches or --epochs, or pick other --cuts", file=err)
-            return 2
+        try:
+            return _verify_in(options, runner, pool, progress, out, err)
+        except BaseException:
+            # The runs sit in sessions of their own, out of reach of the terminal's
+            # Ctrl-C: end them here, or the pool would wait for them to finish.
+            runner.kill_all()
+            raise
 
-        def resume(cut: CutResult) -> CutResult:
-            expected = after(reference["batches"], cut.position)
-            progress.step(f"resume from cut {','.join(cut.labels)} ({cut.where}) in a fresh process")
-            result = runner.run({"mode": "resume", "state_path": cut.state_path, "start": list(cut.position),
-                                 "kill_worker": options.kill_worker, "expected": len(expected)}, "resume")
-            if not result["ok"]:
-                cut.error = result["error"]["message"]
-                return cut
-            cut.got = result["batches"]
-            cut.difference = first_difference(expected, cut.got)
-            cut.compared = len(expected) if cut.difference is None else cut.difference.index + 1
-            cut.notes = tuple(f"cut {','.join(cut.labels)}: {note}" for note in result["notes"])
+
+def _verify_in(
+    options: Options, runner: Runner, pool: ThreadPoolExecutor, progress: Progress, out: TextIO, err: TextIO
+) -> int:
+    folder = str(runner.folder)
+    epochs = f"{options.epochs} epoch{'s' if options.epochs != 1 else ''}"
+    progress.step(f"reference run: {epochs}, at most {options.max_batches} batches each")
+    reference = runner.run({"mode": "reference", "cuts": list(options.cuts),
+                            "strict_cuts": options.strict_cuts, "state_dir": folder,
+                            "kill_worker": options.kill_worker}, "reference")
+    if not reference["ok"]:
+        progress.done()
+        error = reference["error"]
+        if error["kind"] == "usage":
+            print(f"snaploader verify: {error['message']}", file=err)
+        else:
+            print(f"snaploader verify: the uninterrupted run of {options.target} failed, so there "
+                  f"is nothing to compare; fix the pipeline first.\n{error['message']}", file=err)
+        return 2
+    if options.kill_worker and reference["num_workers"] == 0:
+        progress.done()
+        print("snaploader verify: --kill-worker needs worker processes, and this loader has "
+              "num_workers=0; drop --kill-worker", file=err)
+        return 2
+    cuts = _group_cuts(reference)
+    if not cuts:
+        progress.done()
+        print(f"snaploader verify: none of the cuts {','.join(options.cuts)} falls inside this "
+              "run; raise --max-batches or --epochs, or pick other --cuts", file=err)
+        return 2
+
+    def resume(cut: CutResult) -> CutResult:
+        expected = after(reference["batches"], cut.position)
+        progress.step(f"resume from cut {','.join(cut.labels)} ({cut.where}) in a fresh process")
+        result = runner.run({"mode": "resume", "state_path": cut.state_path, "start": list(cut.position),
+                             "kill_worker": options.kill_worker, "expected": len(expected)}, "resume")
+        if not result["ok"]:
+            cut.error = result["error"]["message"]
             return cut
+        cut.got = result["batches"]
+        cut.difference = first_difference(expected, cut.got)
+        cut.compared = len(expected) if cut.difference is None else cut.difference.index + 1
+        cut.notes = tuple(f"cut {','.join(cut.labels)}: {note}" for note in result["notes"])
+        return cut
 
-        def again() -> dict[str, Any]:
-            progress.step("a second uninterrupted run in a fresh process (PYTHONHASHSEED=0)")
-            return runner.run(_rerun_job(runner), "rerun", "0")
+    def again() -> dict[str, Any]:
+        progress.step("a second uninterrupted run in a fresh process (PYTHONHASHSEED=0)")
+        return runner.run(_rerun_job(runner), "rerun", "0")
 
-        # The second uninterrupted run shares the pool with the resumed runs: it checks
-        # determinism when all goes well, and starts the diagnosis when it does not.
-        rerun_future = pool.submit(again)
-        results = list(pool.map(resume, cuts))
-        rerun = rerun_future.result()
-        stable = rerun["ok"] and first_difference(reference["batches"], rerun["batches"]) is None
-        failed = [c for c in results if c.difference is not None or c.error is not None]
-        source = "" if stable and not failed else _source(runner, reference, rerun, results, progress, pool)
+    # The second uninterrupted run shares the pool with the resumed runs: it checks
+    # determinism when all goes well, and starts the diagnosis when it does not.
+    rerun_future = pool.submit(again)
+    results = list(pool.map(resume, cuts))
+    rerun = rerun_future.result()
+    stable = rerun["ok"] and first_difference(reference["batches"], rerun["batches"]) is None
+    failed = [c for c in results if c.difference is not None or c.error is not None]
+    source = "" if stable and not failed else _source(runner, reference, rerun, results, progress, pool)
     progress.done()
     _report(options, reference, results, source, out)
     return 0 if not source else 1

@@ -309,7 +309,7 @@ def rebuild(loader: torch_data.DataLoader[Any], dataset: Any, collate_fn: Any) -
         generator=loader.generator,
         prefetch_factor=loader.prefetch_factor if workers else None,
         persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
+        pin_memory_device=getattr(loader, "pin_memory_device", ""),
         in_order=getattr(loader, "in_order", True),
         **own,
     )
