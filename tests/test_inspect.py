@@ -1,0 +1,192 @@
+"""``snaploader inspect``: reads loader states from checkpoints of every configuration,
+wherever they sit in the file, as text and as JSON; bad input exits 2 with what to do."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import snaploader
+from snaploader import _inspect
+
+from ._datasets import DrawingRange
+from ._iterable_datasets import IteratorStateStream, PlainStream
+from ._support import take
+
+
+class TorchDraws(torch.utils.data.Dataset[torch.Tensor]):
+    """Item i: [i, a draw from torch's global RNG] (Python's random and NumPy untouched)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), float(torch.rand(()))])
+
+
+def inspect(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = _inspect.main(list(args), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def as_json(path: Path, *args: str) -> list[dict[str, Any]]:
+    code, out, err = inspect(str(path), "--json", *args)
+    assert code == 0, err
+    parsed = json.loads(out)
+    assert parsed["file"] == str(path)
+    return parsed["states"]  # type: ignore[no-any-return]
+
+
+def make_loader(kind: str, workers: int, persistent: bool) -> snaploader.DataLoader:
+    dataset: Any = DrawingRange(16) if kind == "map" else PlainStream(16)
+    return snaploader.DataLoader(
+        dataset, batch_size=2, shuffle=kind == "map", num_workers=workers,
+        persistent_workers=persistent, replay="allow",
+        generator=torch.Generator().manual_seed(0),
+        multiprocessing_context="fork" if workers else None,
+    )
+
+
+CONFIGS = [
+    (kind, workers, persistent)
+    for kind in ("map", "iterable")
+    for workers in (0, 2)
+    for persistent in (False, True)
+    if workers or not persistent
+]
+
+
+@pytest.mark.parametrize(("kind", "workers", "persistent"), CONFIGS)
+def test_every_configuration_mid_epoch_and_ended(
+    tmp_path: Path, kind: str, workers: int, persistent: bool
+) -> None:
+    loader = make_loader(kind, workers, persistent)
+    iterator = iter(loader)
+    take(iterator, 3)
+    mid = loader.state_dict()
+    list(iterator)
+    ended = loader.state_dict()
+    del iterator, loader
+    path = tmp_path / "ckpt.pt"
+    torch.save({"step": 3, "model": {"w": torch.zeros(2)}, "loader": mid}, path)
+
+    (summary,) = as_json(path)
+    assert summary["key"] == "loader" and summary["format"] == "snaploader" and summary["version"] == 1
+    assert summary["fingerprint"]["dataset_kind"] == kind
+    assert summary["fingerprint"]["num_workers"] == workers
+    assert summary["fingerprint"]["persistent_workers"] is persistent
+    assert (summary["epoch"], summary["batches_consumed"], summary["epoch_ended"]) == (0, 3, False)
+    assert summary["next"] == "the next iter() continues epoch 0 at batch 4"
+    assert len(summary["workers"]) == max(1, workers)
+    produced = [w["batches_produced"] for w in summary["workers"]]
+    assert sum(produced) == 3 and produced[0] == (3 if workers == 0 else 2)
+    # every item draws from all three global RNGs, in each worker that produced one
+    assert all(w["rng_moved"] == ["python random", "numpy", "torch"] for w in summary["workers"])
+    assert summary["size_bytes"] == len(_saved(mid))
+    if kind == "iterable":
+        assert all(w["replay_batches"] == w["batches_produced"] for w in summary["workers"])
+
+    code, out, err = inspect(str(path))
+    assert code == 0, err
+    assert f"loader state at loader: format snaploader version 1, {summary['size_bytes']:,} bytes" in out
+    assert "epoch 0, 3 batches consumed, epoch not ended" in out
+    assert f"num_workers {workers}" in out
+
+    torch.save(ended, path)
+    (summary,) = as_json(path)
+    assert summary["key"] == "" and summary["epoch_ended"] is True
+    assert summary["batches_consumed"] == 8 and summary["next"] == "the next iter() starts epoch 1"
+    assert inspect(str(path))[1].startswith("loader state at (top level):")
+
+
+def _saved(state: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def test_rng_flags_name_only_the_generators_that_moved(tmp_path: Path) -> None:
+    loader = snaploader.DataLoader(TorchDraws(), batch_size=2)
+    iterator = iter(loader)
+    next(iterator)
+    path = tmp_path / "ckpt.pt"
+    torch.save(loader.state_dict(), path)
+    del iterator
+    (summary,) = as_json(path)
+    assert summary["workers"][0]["rng_moved"] == ["torch"]
+    assert summary["rng_kind"] == "global"
+    fresh = snaploader.DataLoader(TorchDraws(), batch_size=2)
+    torch.save(fresh.state_dict(), path)
+    (summary,) = as_json(path)
+    assert summary["epoch"] == -1 and summary["workers"] == []
+    assert "no epoch started yet" in inspect(str(path))[1]
+
+
+def test_iterator_state_is_reported_with_its_owner(tmp_path: Path) -> None:
+    loader = snaploader.DataLoader(IteratorStateStream(8), batch_size=2)
+    iterator = iter(loader)
+    take(iterator, 2)
+    path = tmp_path / "ckpt.pt"
+    torch.save(loader.state_dict(), path)
+    del iterator
+    (summary,) = as_json(path)
+    worker = summary["workers"][0]
+    assert worker["data_state"] == "iterator" and worker["replay_batches"] == 0
+    assert "held (iterator)" in inspect(str(path))[1]
+
+
+def test_nested_states_are_all_found_and_key_selects_one(tmp_path: Path) -> None:
+    first = snaploader.DataLoader(DrawingRange(8), batch_size=2)
+    second = snaploader.DataLoader(DrawingRange(12), batch_size=3)
+    take(iter(second), 1)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"trainer": {"loaders": [first.state_dict(), second.state_dict()], "lr": 0.1}}, path)
+    found = as_json(path)
+    assert [s["key"] for s in found] == ["trainer.loaders.0", "trainer.loaders.1"]
+    assert [s["fingerprint"]["dataset_length"] for s in found] == [8, 12]
+    (picked,) = as_json(path, "--key", "trainer.loaders.1")
+    assert picked["key"] == "trainer.loaders.1" and picked["fingerprint"]["batch_size"] == 3
+    code, out, _ = inspect(str(path))
+    assert code == 0 and out.count("loader state at trainer.loaders.") == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "args", "message"),
+    [
+        ({"model": {}}, [], "holds no snaploader loader state (its top-level keys: 'model')"),
+        ({"a": {"b": 1}}, ["--key", "a.c"], "--key a.c: no 'c' at a; the keys there are 'b'"),
+        ({"a": [1]}, ["--key", "a.3"], "--key a.3: a is a list of 1 items, which has no '3'"),
+        ({"a": {"b": 1}}, ["--key", "a.b"], "--key a.b holds a int, not a snaploader loader state"),
+        ({"format": "snaploader", "version": 2}, [], "format version 2; this snaploader reads version 1"),
+        ({"format": "snaploader", "version": 1}, [], "(version 1) is malformed"),
+    ],
+)
+def test_bad_checkpoints_exit_2_with_what_to_do(
+    tmp_path: Path, content: Any, args: list[str], message: str
+) -> None:
+    path = tmp_path / "ckpt.pt"
+    torch.save(content, path)
+    code, out, err = inspect(str(path), *args)
+    assert code == 2 and out == ""
+    assert message in err, err
+
+
+def test_unreadable_files_exit_2(tmp_path: Path) -> None:
+    code, _, err = inspect(str(tmp_path / "missing.pt"))
+    assert code == 2 and "missing.pt: no such file" in err
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a checkpoint")
+    code, _, err = inspect(str(junk))
+    assert code == 2 and "was not written by torch.save" in err
+    objects = tmp_path / "objects.pt"
+    torch.save({"loader": Path("x")}, objects)
+    code, _, err = inspect(str(objects))
+    assert code == 2 and "holds objects that torch.load(weights_only=True) refuses" in err, err
+    code, _, err = inspect(str(tmp_path))
+    assert code == 2 and "is a folder" in err
