@@ -23,6 +23,8 @@ Layout (version 2)::
     sampler_state  {state, done}: the stateful sampler's state before the next batch
                    (done: it has nothing left this epoch), or None
     sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
+    next_batches   per worker, {produced, digest} of its next batch when it had already
+                   arrived (the resume self-check, _selfcheck.py), or None
     workers        one ledger per logical worker (see _ledger.py):
                    {epoch_start, yielded, yielded_complete, exhausted}, each snapshot
                    {rng (base64), produced, data, data_owner, complete, exhausted};
@@ -215,6 +217,7 @@ def build_state(
         "rng_kind": source.kind,
     }
     ledgers: list[tuple[dict[str, Any], str]] = []
+    next_batches: list[dict[str, Any] | None] = []
     if progress is None:
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
@@ -240,9 +243,14 @@ def build_state(
         ledgers = [
             _ledger_to_plain(ledger, f"worker {w}'s state") for w, ledger in enumerate(position.workers)
         ]
+        next_batches = [
+            None if entry is None else {"produced": entry[0], "digest": entry[1]}
+            for entry in progress.next_digests()
+        ]
     state["rng_next"] = (
         _plain.b64(source.get_state()) if state["ended"] and source.generator is not None else None
     )
+    state["next_batches"] = next_batches
     state["workers"] = [_copy(plain) for plain, _ in ledgers]
     state["digest"] = digest_of(state, [digest for _, digest in ledgers])
     return state
@@ -267,6 +275,7 @@ _TOP_FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "drew_base_seed": (bool,),
     "sampler_state": (dict, type(None)),
     "sampler_epoch": _OPTIONAL_INT,
+    "next_batches": (list,),
     "workers": (list,),
 }
 
@@ -364,6 +373,14 @@ def validate(state: Any) -> None:
         _check_fields("loader state['sampler_state']", sampler_state, {"done": (bool,)})
         if "state" not in sampler_state:
             raise _fail("loader state['sampler_state']", "has no 'state' key")
+    if len(state["next_batches"]) != len(workers):
+        raise _fail("loader state['next_batches']", f"has {len(state['next_batches'])} entries for {len(workers)} workers")
+    for w, entry in enumerate(state["next_batches"]):
+        if entry is not None:
+            where = f"loader state['next_batches'][{w}]"
+            _check_fields(where, entry, {"produced": (int,), "digest": (str,)})
+            if entry["produced"] < 1 or len(entry["digest"]) > 64:
+                raise _fail(where, "is not a batch count >= 1 with a short digest")
     if state["epoch"] == -1:
         if not state["ended"] or state["yielded"] or workers or state["rng_start"] is not None:
             raise _fail("loader state", "describes no epoch (epoch -1) but holds an epoch's position")
@@ -564,8 +581,10 @@ def read_state(
             start = EpochStart(epoch=state["epoch"] + 1)
         rng_next = None if state["rng_next"] is None else _plain.unb64(state["rng_next"], "rng_next")
         return Restore(start, ledgers, sampler_state, rng_next)
+    expected = [None if e is None else (e["produced"], e["digest"]) for e in state["next_batches"]]
     start = EpochStart(
         epoch=state["epoch"],
+        expected_digests=expected if ledgers else None,
         restore_rng=_plain.unb64(state["rng_start"], "loader state['rng_start']"),
         base_seed=state["base_seed"],
         draw_base_seed=state["drew_base_seed"],

@@ -37,6 +37,12 @@ class StateNotPlainDataError(TypeError):
     The message names the key path and the offending type."""
 
 
+class ResumeMismatchWarning(UserWarning):
+    """After a restore, a batch that was prefetched when the checkpoint was taken came
+    out different (the resume self-check): something the checkpoint does not capture
+    changed the stream. The message names the batch, the worker and the usual causes."""
+
+
 class WorkerRespawnedWarning(RuntimeWarning):
     """A worker process died and was respawned from its snapshot; the stream goes on
     unchanged. The message names the worker, its pid, the signal, and the batch."""

@@ -30,7 +30,14 @@ from typing import Any, Final
 import torch
 from torch.utils.data._utils import pin_memory as torch_pin_memory
 
-from ._errors import CheckpointFormatError, ReplayRefusedError, WorkerCrashedError, short_indices, user_stacklevel
+from ._errors import (
+    CheckpointFormatError,
+    ReplayRefusedError,
+    ResumeMismatchWarning,
+    WorkerCrashedError,
+    short_indices,
+    user_stacklevel,
+)
 from ._inline import InlineRunner
 from ._ledger import (
     EpochProgress,
@@ -46,6 +53,7 @@ from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
 from ._receiver import ProcessRunner
 from ._rng import RngSource
 from ._runner import Runner
+from ._selfcheck import batch_digest
 
 _SETTLE_TIMEOUT_S: Final = 5.0
 
@@ -74,6 +82,7 @@ class LoaderSettings:
     snapshot_every: int
     replay: str
     max_worker_retries: int
+    check_resume: bool = True
 
     @property
     def slots(self) -> int:
@@ -151,6 +160,8 @@ class SnapIterator:
             if not settings.iterable:
                 self.plan = IndexPlan(settings.index_sampler, start.yielded, start.sampler_state)
         self.progress.attach_plan(self.plan)
+        if start.expected_digests is not None and settings.check_resume:
+            self.progress.expected_digests = list(start.expected_digests)
         self.plan_done = self.plan is None
         self.dispatched = start.yielded
         self._dispatch()
@@ -196,6 +207,7 @@ class SnapIterator:
             num_workers=settings.slots,
             base_seed=base_seed,
             state_every=settings.snapshot_every,
+            digests=settings.check_resume and settings.num_workers > 0,
         )
         if settings.num_workers == 0:
             return InlineRunner(setup)
@@ -258,6 +270,8 @@ class SnapIterator:
             raise StopIteration
         slot, task, result = found
         progress = self.progress
+        if progress.expected_digests and result.kind is Kind.BATCH:
+            self._self_check(slot, result)
         turn = (slot + 1) % self.settings.slots if self.settings.iterable else progress.position.turn
         progress.advance(slot, result.snapshot, turn=turn, yielded=True)
         self._dispatch()
@@ -299,6 +313,31 @@ class SnapIterator:
                 continue
             return slot, task, result
         return None
+
+    def _self_check(self, slot: int, result: Result) -> None:
+        """Compare a restored slot's first batch with the digest the checkpoint kept
+        of it (see _selfcheck.py); warn once per restore."""
+        progress = self.progress
+        expected = progress.expected_digests[slot]
+        if expected is None or expected[0] != result.snapshot.produced:
+            return
+        progress.expected_digests[slot] = None
+        if batch_digest(result.payload) == expected[1]:
+            return
+        progress.expected_digests = []
+        worker = f"worker {slot}" if self.settings.num_workers > 0 else "the main process"
+        warnings.warn(
+            f"resume self-check: batch {progress.yielded} of epoch {progress.epoch} ({worker}'s "
+            f"batch {expected[0]} of the epoch) differs from the one that was prefetched "
+            "when the checkpoint was taken, so the resumed stream is not the interrupted "
+            "one. Usual causes: the data changed on disk since, or randomness the "
+            "checkpoint does not capture (a generator object held by the dataset, a "
+            "global of another module, time- or os-seeded code, a C extension's own "
+            "RNG; see docs/how-resume-works.md). `snaploader verify` shows where; "
+            "check_resume=False turns this check off",
+            ResumeMismatchWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def _check_reported_length(self) -> None:
         # torch's warning, in torch's words: len(loader) was asked of an iterable

@@ -124,6 +124,26 @@ class EpochProgress:
     sampler_epoch: int | None = None
     plan_skip: int = 0  # batches the plan skipped when it was built (a restore)
     plan: Any = field(default=None, repr=False)  # the IndexPlan, for sampler states
+    # The resume self-check (_selfcheck.py): per slot, the digests of batches received
+    # and not yet yielded, by the slot's batch count; and after a restore, the
+    # (count, digest) each slot's next batch must match.
+    received_digests: list[dict[int, str]] = field(default_factory=list, repr=False)
+    expected_digests: list[tuple[int, str] | None] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.received_digests = [{} for _ in self.position.workers]
+
+    def note_digest(self, slot: int, produced: int, digest: str) -> None:
+        self.received_digests[slot][produced] = digest
+
+    def next_digests(self) -> list[tuple[int, str] | None]:
+        """Per slot, the count and digest of its next batch, if it has arrived."""
+        out: list[tuple[int, str] | None] = []
+        for slot, ledger in enumerate(self.position.workers):
+            produced = (0 if ledger.yielded is None else ledger.yielded.produced) + 1
+            digest = self.received_digests[slot].get(produced)
+            out.append(None if digest is None else (produced, digest))
+        return out
 
     @property
     def workers(self) -> tuple[WorkerLedger, ...]:
@@ -157,6 +177,9 @@ class EpochProgress:
         self.position = Position(count, turn, tuple(workers), False, self._sampler_state(count))
         if yielded and self.plan is not None:
             self.plan.forget_before(count - self.plan_skip)
+        received = self.received_digests[slot]
+        for produced in [p for p in received if p <= snapshot.produced]:
+            del received[produced]
 
     def end(self) -> None:
         """Publish that the epoch is over."""
@@ -178,6 +201,7 @@ class EpochStart:
     workers: list[WorkerLedger] | None = None
     sampler_state: Any = None
     sampler_epoch: int | None = None
+    expected_digests: list[tuple[int, str] | None] | None = None  # the self-check's
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool) -> EpochStart:

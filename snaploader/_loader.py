@@ -37,6 +37,10 @@ class DataLoader(torch_data.DataLoader):
       :class:`~snaploader.ReplayRefusedError`.
     * ``max_worker_retries`` (int, default 3): how many times a worker that dies on the
       same batch is respawned before :class:`~snaploader.WorkerCrashedError`.
+    * ``check_resume`` (bool, default True): the resume self-check. Workers send a
+      small digest with each batch; a checkpoint keeps those of the batches that were
+      prefetched but not yet yielded, and after a restore the regenerated batches are
+      compared with them (:class:`~snaploader.ResumeMismatchWarning` on a difference).
 
     Differences from torch are listed in ``docs/differences.md``.
     """
@@ -64,6 +68,7 @@ class DataLoader(torch_data.DataLoader):
         snapshot_every: int = 1,
         replay: str = "warn",
         max_worker_retries: int = 3,
+        check_resume: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -107,6 +112,9 @@ class DataLoader(torch_data.DataLoader):
         self.snapshot_every = snapshot_every
         self.replay = replay
         self.max_worker_retries = max_worker_retries
+        if not isinstance(check_resume, bool):
+            raise ValueError(f"check_resume should be True or False, got {check_resume!r}")
+        self.check_resume = check_resume
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -139,6 +147,7 @@ class DataLoader(torch_data.DataLoader):
             snapshot_every=self.snapshot_every,
             replay=self.replay,
             max_worker_retries=self.max_worker_retries,
+            check_resume=self.check_resume,
         )
 
     def _warn_pin_memory(self) -> None:

@@ -56,6 +56,7 @@ class WorkerSetup:
     num_workers: int
     base_seed: int
     state_every: int
+    digests: bool = False  # send each batch's digest (the resume self-check)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +153,7 @@ class Result:
     kind: Kind
     payload: Any
     snapshot: Snapshot
+    digest: str | None = None  # the batch's digest (_selfcheck.py), when asked for
 
 
 def has_state_protocol(obj: Any) -> bool:

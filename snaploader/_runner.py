@@ -72,6 +72,8 @@ class Runner(ABC):
         elif state.done:
             return
         state.received.append((task, result))
+        if result.digest is not None and self.progress is not None:
+            self.progress.note_digest(slot, result.snapshot.produced, result.digest)
 
     @abstractmethod
     def _transmit(self, slot: int, msg: Resume | Task) -> None:

@@ -43,6 +43,7 @@ from ._protocol import (
     has_state_protocol,
 )
 from ._rng import NativeRng, RngState, capture_rng, restore_rng
+from ._selfcheck import batch_digest
 
 _WATCHDOG_INTERVAL_S: Final = 1.0
 
@@ -190,7 +191,8 @@ class WorkerRuntime:
             # report it like one raised in __getitem__, not as a worker crash.
             bare = Snapshot(self._capture_rng(), self.produced, complete=not self.setup.iterable)
             return Result(task.key, Kind.ERROR, WorkerError.capture(exc), bare)
-        return Result(task.key, kind, payload, snapshot)
+        digest = batch_digest(payload) if self.setup.digests and kind is Kind.BATCH else None
+        return Result(task.key, kind, payload, snapshot, digest)
 
     def _fetch_map(self, indices: Any) -> Any:
         setup = self.setup

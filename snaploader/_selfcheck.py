@@ -1,0 +1,58 @@
+"""The resume self-check: small digests of the batches a checkpoint did not cover.
+
+A checkpoint taken mid-epoch describes the batches *yielded*; the batches that were
+prefetched but not yet yielded are produced again after a restore. Each worker sends,
+with every batch, a digest of it (computed in the worker, off the main process's
+path), and the checkpoint keeps the digest of each worker's next batch when it had
+already arrived. After a restore, the first batch each worker produces is compared
+with it: a mismatch means that something the checkpoint does not capture changed the
+stream (data changed on disk, or randomness snaploader cannot see), and is worth one
+warning, not an error: the run goes on.
+
+The digest is a fingerprint, not a hash of every byte: for each tensor its dtype,
+shape and up to ``_EDGE_ELEMENTS`` elements from each end of its flattened values; for
+other leaves their ``repr``. Randomness that changes a batch changes those (a random
+crop, flip or noise moves the first and last values), and its cost does not grow with
+the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Final
+
+import torch
+
+_EDGE_ELEMENTS: Final = 64
+_DIGEST_BYTES: Final = 12
+
+
+def batch_digest(batch: Any) -> str:
+    """A short, deterministic fingerprint of ``batch`` (see the module docstring)."""
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    _feed(h, batch)
+    return h.hexdigest()
+
+
+def _feed(h: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
+        flat = value.detach().reshape(-1)
+        if flat.numel():
+            edges = flat if flat.numel() <= 2 * _EDGE_ELEMENTS else torch.cat(
+                (flat[:_EDGE_ELEMENTS], flat[-_EDGE_ELEMENTS:])
+            )
+            h.update(edges.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        h.update(b"{")
+        for key, item in value.items():
+            h.update(repr(key).encode())
+            _feed(h, item)
+        h.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        h.update(b"[" if isinstance(value, list) else b"(")
+        for item in value:
+            _feed(h, item)
+        h.update(b"]")
+    else:
+        h.update(repr(value).encode(errors="replace"))

@@ -1,0 +1,98 @@
+"""The resume self-check: a checkpoint keeps digests of the batches prefetched but not
+yet yielded, and a restore that regenerates them differently says so, once."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import snaploader
+from snaploader._selfcheck import batch_digest
+
+from ._datasets import Augmented
+from ._support import generator, mp_helpers, through_bytes  # noqa: F401
+
+
+class Shifted(Dataset[torch.Tensor]):
+    """Item i is i + ``shift``: the same dataset as far as a fingerprint can tell, other
+    data when ``shift`` changes (a file rewritten on disk)."""
+
+    def __init__(self, shift: float) -> None:
+        self.shift = shift
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i + self.shift, torch.rand(()).item()])
+
+
+def _state_with_prefetched(dataset: Any, **kwargs: Any) -> dict[str, Any]:
+    loader = snaploader.DataLoader(dataset, batch_size=2, shuffle=True, num_workers=2, generator=generator(0), **kwargs)
+    iterator = iter(loader)
+    next(iterator)
+    next(iterator)
+    time.sleep(0.3)  # let the prefetched batches arrive
+    state = through_bytes(loader.state_dict())
+    del iterator
+    return state
+
+
+def _resume(dataset: Any, state: dict[str, Any], **kwargs: Any) -> list[warnings.WarningMessage]:
+    loader = snaploader.DataLoader(dataset, batch_size=2, shuffle=True, num_workers=2, generator=generator(0), **kwargs)
+    loader.load_state_dict(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(loader)
+    return [w for w in caught if issubclass(w.category, snaploader.ResumeMismatchWarning)]
+
+
+def test_checkpoint_carries_digests_of_prefetched_batches() -> None:
+    state = _state_with_prefetched(Shifted(0.0))
+    # what the main process had already received of the prefetched batches (the rest
+    # still sat in the workers' pipes)
+    entries = [e for e in state["next_batches"] if e is not None]
+    assert entries, state["next_batches"]
+    assert all(e["produced"] == 2 for e in entries)  # each worker's batch after its first
+
+
+def test_an_exact_resume_does_not_warn() -> None:
+    state = _state_with_prefetched(Augmented(24))
+    assert _resume(Augmented(24), state) == []
+
+
+def test_data_changed_since_the_checkpoint_warns_once_naming_the_batch() -> None:
+    state = _state_with_prefetched(Shifted(0.0))
+    # the first checked batch: map-style batch k is worker k mod 2's batch k // 2 + 1
+    worker = next(w for w, entry in enumerate(state["next_batches"]) if entry is not None)
+    caught = _resume(Shifted(0.5), state)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"batch {2 + worker} of epoch 0 (worker {worker}'s batch 2" in message, message
+    assert "data changed on disk" in message
+
+
+def test_the_check_can_be_switched_off() -> None:
+    state = _state_with_prefetched(Shifted(0.0))
+    assert _resume(Shifted(0.5), state, check_resume=False) == []
+    with pytest.raises(ValueError, match="check_resume"):
+        snaploader.DataLoader(Shifted(0.0), check_resume="yes")  # type: ignore[arg-type]
+
+
+def test_digest_sees_values_dtypes_and_structure() -> None:
+    base = {"x": torch.arange(1000.0), "y": [1, "a"]}
+    assert batch_digest(base) == batch_digest({"x": torch.arange(1000.0), "y": [1, "a"]})
+    changed_tail = torch.arange(1000.0)
+    changed_tail[-1] = -1.0
+    for other in (
+        {"x": changed_tail, "y": [1, "a"]},
+        {"x": torch.arange(1000.0).double(), "y": [1, "a"]},
+        {"x": torch.arange(1000.0), "y": (1, "a")},
+        {"x": torch.arange(1000.0), "y": [2, "a"]},
+    ):
+        assert batch_digest(other) != batch_digest(base)
