@@ -6,7 +6,7 @@ dotted path; list items by number: ``loaders.0``), or by its format marker
 (``state["format"] == "snaploader"``) anywhere in nested dicts and lists.
 
 :func:`summarize` is the one place that reads the checkpoint's layout (see
-``state.py``); everything else here prints what it returns.
+``_checkpoint.py``); everything else here prints what it returns.
 """
 
 from __future__ import annotations
@@ -95,7 +95,23 @@ def _summarize_v1(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-_SUMMARIZERS: Final = {1: _summarize_v1}
+def _summarize_v2(state: dict[str, Any]) -> dict[str, Any]:
+    # Version 2 keeps version 1's fields (RNG bytes as base64), adds an integrity
+    # digest and the resume self-check's digests of prefetched batches.
+    from ._checkpoint import validate
+    from ._errors import CheckpointFormatError
+
+    summary = _summarize_v1(state)
+    try:
+        validate(state)
+        summary["integrity"] = "digest matches, fields valid"
+    except CheckpointFormatError as exc:
+        summary["integrity"] = f"INVALID: {exc}"
+    summary["self_check_batches"] = sum(entry is not None for entry in state["next_batches"])
+    return summary
+
+
+_SUMMARIZERS: Final = {1: _summarize_v1, 2: _summarize_v2}
 
 
 def summarize(state: dict[str, Any]) -> dict[str, Any]:
@@ -251,6 +267,11 @@ def render(entry: dict[str, Any]) -> list[str]:
         lines.append(
             f"  position     epoch {entry['epoch']}, {entry['batches_consumed']} batches consumed, "
             f"epoch {'ended' if entry['epoch_ended'] else 'not ended'}: {entry['next']}"
+        )
+    if "integrity" in entry:
+        lines.append(
+            f"  integrity    {entry['integrity']}; self-check digests of "
+            f"{entry['self_check_batches']} prefetched batch(es)"
         )
     source = "the loader's generator" if entry["rng_kind"] == "generator" else "torch's global RNG"
     lines.append(

@@ -46,8 +46,8 @@ import psutil
 import torch
 import torch.utils.data as torch_data
 
-from .errors import WorkerRespawnedWarning
-from .loader import DataLoader
+from ._errors import WorkerRespawnedWarning
+from ._loader import DataLoader
 
 CUT_NAMES: Final = ("first", "mid", "end", "boundary")
 _INDEX_MARK: Final = "__snaploader_verify_indices__"
