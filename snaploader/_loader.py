@@ -10,7 +10,8 @@ from typing import Any, Final
 import torch
 import torch.utils.data as torch_data
 
-from ._checkpoint import Fingerprint, LoaderFacts, build_state, fingerprint_of, read_state
+from ._checkpoint import build_state, read_state
+from ._layout import Fingerprint, LoaderFacts, fingerprint_of
 from ._errors import ReplayRefusedError
 from ._iterator import LoaderSettings, SnapIterator
 from ._ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import snaploader
-from snaploader import _checkpoint
+from snaploader import _layout
 
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream
@@ -145,8 +145,8 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     users = "data" in path or path[:2] == ("sampler_state", "state")
     if not users and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
-            mutant["digest"] = _checkpoint.digest_of(
-                mutant, [_checkpoint._sha256(w) for w in mutant["workers"]]
+            mutant["digest"] = _layout.digest_of(
+                mutant, [_layout.sha256_of(w) for w in mutant["workers"]]
             )
             what += " (re-signed)"
         except Exception:

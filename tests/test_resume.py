@@ -4,14 +4,12 @@ stream bit for bit, the rest of that epoch and the next."""
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import Phase, given, settings

@@ -17,7 +17,6 @@ import snaploader
 from snaploader import StateNotPlainDataError
 from snaploader import _rng as snapshot
 from snaploader._plain import check_plain, decode, encode
-from snaploader._protocol import Snapshot
 from snaploader._rng import RAW_RNG_ACCESS, capture_rng, restore_rng
 
 from ._datasets import Range
