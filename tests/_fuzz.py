@@ -142,8 +142,11 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
         what = f"set {path} to {new!r:.40}"
     # A deliberate editor's change to the user's own state (a dataset's or sampler's
     # state_dict()) is the user's protocol's to judge; snaploader's fields are not.
+    # Nor can any check tell one Mersenne Twister state from another: every 624 words
+    # are a valid state. Such edits are the digest's to catch (unsigned ones below).
     users = "data" in path or path[:2] == ("sampler_state", "state")
-    if not users and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
+    rng_words = path[-1] in ("rng", "rng_start", "rng_next")
+    if not users and not rng_words and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
             mutant["digest"] = _layout.digest_of(
                 mutant, [_layout.sha256_of(w) for w in mutant["workers"]]
