@@ -80,7 +80,8 @@ class InlineRunner(Runner):
             task = state.outstanding[0]
             result = self._call(lambda: self.runtime.run(task), _native_rng_of)
             self.accept(slot, result)
-        return state.received.popleft()
+        task, result, _ = state.pop()
+        return task, result
 
     def settle(self, timeout_s: float) -> None:
         # Tasks sent ahead of an iterable's end would each be answered "exhausted":

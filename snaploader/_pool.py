@@ -15,18 +15,24 @@
   at the next poll.
 - Stopping never blocks forever: ``None`` is sent, the process is joined for
   ``_JOIN_TIMEOUT_S``, then terminated, then killed.
+- :class:`FetchMarks`: one int per slot in shared memory that the worker sets to the
+  key of the task it is fetching and clears after, so that the main process knows,
+  when a worker has died, whether it died fetching a batch (which then counts against
+  that batch) or idle, starting up or restoring (which never does).
 """
 
 from __future__ import annotations
 
 import fcntl
+import mmap
 import multiprocessing
 import multiprocessing.util
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing import reduction
 from multiprocessing.context import BaseContext
 from typing import Any, Final
 
@@ -108,6 +114,64 @@ def likely_cause(exitcode: int | None, messages: int) -> str:
     return f" ({cause})" if cause else ""
 
 
+class FetchMarks:
+    """One int64 per worker slot, shared with the workers: the key of the task the
+    slot's worker is fetching, or :attr:`IDLE`.
+
+    A worker writes it right before and right after each fetch (two stores into shared
+    memory, well under a microsecond a batch); the main process reads it only after the
+    worker has died. Under fork the memory is an anonymous shared mapping the workers
+    inherit (no file descriptor at all); under spawn and forkserver it is a memfd,
+    passed to each worker as multiprocessing passes a pipe, and mapped there.
+    """
+
+    IDLE: Final = -1
+
+    def __init__(self, count: int, shareable: bool, fd: int | None = None) -> None:
+        self.count = count
+        size = 8 * count
+        self.fd: int | None = None
+        if fd is not None:  # a worker attaching to the main process's memfd
+            self._map = mmap.mmap(fd, size)
+            os.close(fd)
+        elif shareable:
+            self.fd = os.memfd_create("snaploader-fetch-marks", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, size)
+            self._map = mmap.mmap(self.fd, size)
+        else:
+            self._map = mmap.mmap(-1, size)
+        self._view: memoryview | None = memoryview(self._map).cast("q")
+        for slot in range(count):
+            self._view[slot] = self.IDLE
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Only while a spawn or forkserver worker is being started: DupFd then hands
+        # the fd to the new process as multiprocessing does a pipe's.
+        if self.fd is None:
+            raise TypeError("fork-only FetchMarks cannot be sent to another process")
+        return _attach_marks, (reduction.DupFd(self.fd), self.count)
+
+    def set(self, slot: int, key: int) -> None:
+        if self._view is not None:
+            self._view[slot] = key
+
+    def get(self, slot: int) -> int:
+        return self.IDLE if self._view is None else int(self._view[slot])
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+            self._map.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _attach_marks(dup: Any, count: int) -> FetchMarks:
+    return FetchMarks(count, shareable=False, fd=dup.detach())
+
+
 @dataclass
 class WorkerProcess:
     slot: int
@@ -134,8 +198,8 @@ class WorkerProcess:
 class Pool:
     """A fixed number of worker slots, each holding at most one live process.
 
-    ``target(*make_args(slot), task_conn, result_conn, parent_pid, inherited_fds)`` is
-    the worker's entry point.
+    ``target(*make_args(slot), task_conn, result_conn, parent_pid, inherited_fds, marks)``
+    is the worker's entry point.
     """
 
     def __init__(
@@ -151,6 +215,7 @@ class Pool:
         self.workers: list[WorkerProcess | None] = [None] * num_slots
         self.owner_pid = os.getpid()
         self._fork = context.get_start_method() == "fork"
+        self.marks = FetchMarks(num_slots, shareable=not self._fork)
         if self._fork:
             # Forked workers then share the parent's temporary directory (used for the
             # sockets that pass shared-memory file descriptors) instead of each making
@@ -170,9 +235,10 @@ class Pool:
                 if other is not None:
                     inherited += [other.task.fileno(), other.result.fileno()]
             inherited += [task_send.fileno(), result_recv.fileno()]
+        self.marks.set(slot, FetchMarks.IDLE)
         process = self.context.Process(  # type: ignore[attr-defined]
             target=self.target,
-            args=(*self.make_args(slot), task_recv, result_send, os.getpid(), inherited),
+            args=(*self.make_args(slot), task_recv, result_send, os.getpid(), inherited, self.marks),
             daemon=True,
             name=f"snaploader-worker-{slot}",
         )
@@ -185,14 +251,18 @@ class Pool:
         self.workers[slot] = worker
         return worker
 
-    def wait(self, timeout_s: float | None) -> tuple[list[WorkerProcess], list[WorkerProcess]]:
+    def wait(
+        self, timeout_s: float | None, skip: Collection[int] = ()
+    ) -> tuple[list[WorkerProcess], list[WorkerProcess]]:
         """Block until a result pipe is readable or a process has exited, or
-        ``timeout_s`` passes. Returns (workers with results, workers that exited); a
-        caller that replaces a worker must ignore the replaced one's later entries."""
+        ``timeout_s`` passes; the result pipes of the slots in ``skip`` are not waited
+        on (their sentinels are). Returns (workers with results, workers that exited);
+        a caller that replaces a worker must ignore the replaced one's later entries."""
         handles: dict[Any, tuple[WorkerProcess, bool]] = {}
         for worker in self.workers:
             if worker is not None:
-                handles[worker.result] = (worker, True)
+                if worker.slot not in skip:
+                    handles[worker.result] = (worker, True)
                 handles[worker.process.sentinel] = (worker, False)
         ready = wait(list(handles), timeout_s)
         readable = [handles[h][0] for h in ready if handles[h][1]]
@@ -240,3 +310,4 @@ class Pool:
             worker.task.close()
             worker.process.close()
         self.workers = [None] * len(self.workers)
+        self.marks.close()

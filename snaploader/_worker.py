@@ -41,6 +41,7 @@ from ._protocol import (
     dumps_result,
     has_state_protocol,
 )
+from ._pool import FetchMarks
 from ._rng import NativeRng, RngState, capture_rng, restore_rng
 
 _WATCHDOG_INTERVAL_S: Final = 1.0
@@ -256,6 +257,7 @@ def worker_main(
     result_conn: Connection,
     parent_pid: int,
     inherited_fds: list[int],
+    marks: FetchMarks,
 ) -> None:
     """Entry point of a worker process (see the module docstring for the protocol)."""
     # Ctrl-C reaches the whole process group; the main process handles it and stops us.
@@ -324,7 +326,10 @@ def worker_main(
         if isinstance(msg, Resume):
             runtime.resume(msg)
             continue
+        # Only a death between these two marks counts against this batch (_receiver.py).
+        marks.set(worker_id, msg.key)
         result = runtime.run(msg)
+        marks.set(worker_id, FetchMarks.IDLE)
         drain()  # so the main process never blocks sending us a task while we send
         try:
             result_conn.send_bytes(dumps_result(result))
