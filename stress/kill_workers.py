@@ -220,7 +220,8 @@ def main() -> int:
     killer.start()
     try:
         while time.monotonic() - started < args.seconds and kills < args.kills:
-            storm = time.monotonic() - started >= storm_from_s
+            # --quick: the spawn run and at least one ordinary fork run come first
+            storm = time.monotonic() - started >= storm_from_s and (not args.quick or runs >= 2)
             spawn = (runs == 0) if args.quick else rng.random() < args.spawn_share
             cfg = Config(
                 kind=rng.choice(KINDS),
