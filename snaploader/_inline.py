@@ -15,17 +15,27 @@ The swap is the whole per-batch cost of this mode, so it is kept to four unencod
 copies (:class:`~snaploader._rng.NativeRng`): the main process's states out and the
 slot's in before the call; after it, the slot's states are the snapshot the call
 took anyway, and only the main process's are put back. Encoding waits for a checkpoint.
+
+The swap is not thread-safe: the states are process-wide, and another thread drawing
+from them during a fetch draws from the slot's states (changing the data stream) and
+its draw is undone from its own. Where it is cheap to see, it is reported: while other
+threads exist, the global states are compared after each batch with the batch's
+snapshot (they differ only if something drew in between), and a warning is given once.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import torch
 from torch.utils.data._utils import worker as torch_worker
 
 from ._protocol import Result, Resume, Task, WorkerSetup
+from ._errors import user_stacklevel
 from ._rng import NativeRng
 from ._runner import Runner
 from ._worker import WorkerRuntime, set_worker_info
@@ -44,6 +54,7 @@ class InlineRunner(Runner):
         setup = replace(setup, collate_fn=_collate_outside_worker(setup.collate_fn))
         self.runtime = WorkerRuntime(setup, 0, in_main_process=True)
         self.rng: NativeRng | None = None  # the slot's RNG states while swapped out
+        self.warned_threads = False
         self._call(self.runtime.initialize)
 
     @property
@@ -67,8 +78,27 @@ class InlineRunner(Runner):
             return out
         finally:
             self.rng = taken if taken is not None else NativeRng.take(self.runtime.seed_rng)
+            if taken is not None and not self.warned_threads and threading.active_count() > 1:
+                self._check_no_other_draws(taken)
             main_rng.put()
             set_worker_info(main_info)
+
+    def _check_no_other_draws(self, snapshot: NativeRng) -> None:
+        now = NativeRng.take()
+        if (now.python, now.numpy) == (snapshot.python, snapshot.numpy) and torch.equal(now.torch, snapshot.torch):
+            return
+        self.warned_threads = True
+        warnings.warn(
+            "the global RNG states changed between a batch's snapshot and the swap back "
+            "(num_workers=0): another thread drew from random, numpy.random or torch's "
+            "global generator while the loader was fetching. num_workers=0 swaps the "
+            "process-wide RNG states around each fetch, which is not thread-safe: the "
+            "data stream and that thread's draws both change. Give that thread its own "
+            "generator (random.Random, numpy.random.default_rng, torch.Generator) or use "
+            "num_workers >= 1 (see docs/differences.md). Warned once",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def _transmit(self, slot: int, msg: Resume | Task) -> None:
         if isinstance(msg, Resume):
@@ -80,7 +110,8 @@ class InlineRunner(Runner):
             task = state.outstanding[0]
             result = self._call(lambda: self.runtime.run(task), _native_rng_of)
             self.accept(slot, result)
-        return state.received.popleft()
+        task, result, _ = state.pop()
+        return task, result
 
     def settle(self, timeout_s: float) -> None:
         # Tasks sent ahead of an iterable's end would each be answered "exhausted":

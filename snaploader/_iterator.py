@@ -104,6 +104,7 @@ class SnapIterator:
         self._runner_finalizer: weakref.finalize | None = None
         self.base_seed: int | None = None
         self.closed = False
+        self.invalidated = False  # by the loader's load_state_dict(): next() raises
         self.progress: EpochProgress
         self.plan: IndexPlan | None = None
         self.plan_done = True
@@ -258,6 +259,11 @@ class SnapIterator:
         return self
 
     def __next__(self) -> Any:
+        if self.invalidated:
+            raise RuntimeError(
+                "this iterator was invalidated by load_state_dict(); call iter(loader) to "
+                "resume from the loaded state"
+            )
         if self.closed or self.progress.ended:
             raise StopIteration
         try:
@@ -394,6 +400,12 @@ class SnapIterator:
         """Stop the workers; the iterator yields nothing more."""
         self.closed = True
         self._stop_workers()
+
+    def invalidate(self) -> None:
+        """The loader loaded another state: stop the workers, and make every later
+        ``next()`` raise rather than go on with a stream the loader no longer reports."""
+        self.invalidated = True
+        self.close()
 
     def __del__(self) -> None:
         try:

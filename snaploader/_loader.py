@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -121,6 +122,9 @@ class DataLoader(torch_data.DataLoader):
         self._pending_state: dict[str, Any] | None = None
         self._progress: EpochProgress | None = None
         self._persistent_iter: SnapIterator | None = None
+        # Every iterator of this loader still alive (weakly: an iterator dropped by the
+        # user must not be kept), so that load_state_dict() can invalidate them.
+        self._iterators: weakref.WeakSet[SnapIterator] = weakref.WeakSet()
 
     # -- iteration -------------------------------------------------------------------
 
@@ -181,6 +185,7 @@ class DataLoader(torch_data.DataLoader):
             iterator = SnapIterator(settings, start)
             if self.persistent_workers:
                 self._persistent_iter = iterator
+            self._iterators.add(iterator)
         self._progress = iterator.progress
         return iterator
 
@@ -253,9 +258,12 @@ class DataLoader(torch_data.DataLoader):
             replays = [replay_without_protocol(ledger) for ledger in restore.ledgers]
             if any(replays):
                 raise ReplayRefusedError(replay_message(self.dataset, replays, refused=True))
-        if self._persistent_iter is not None:
-            self._persistent_iter.close()
-            self._persistent_iter = None
+        # An iterator that went on would yield the old stream while state_dict()
+        # reports the loaded one: each one raises at its next next() instead.
+        for iterator in list(self._iterators):
+            iterator.invalidate()
+        self._iterators.clear()
+        self._persistent_iter = None
         if restore.sampler_state is not None:
             stateful = None if self._iterable else stateful_part(self._index_sampler)
             if stateful is not None:

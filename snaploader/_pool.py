@@ -15,18 +15,35 @@
   at the next poll.
 - Stopping never blocks forever: ``None`` is sent, the process is joined for
   ``_JOIN_TIMEOUT_S``, then terminated, then killed.
+- NOTE [ inherited fds ]: a forked worker inherits every fd of the main process. It
+  releases, first thing, the ones it does not own (:func:`release_inherited`): the main
+  process's ends of every snaploader pipe (of every live pool: a worker holding another
+  worker's result pipe would keep it open after its owner is gone, and a blocked sender
+  would never see a broken pipe), and the shared memory of batches the main process
+  received from snaploader workers (fds and mappings, which would otherwise pin that
+  memory for the worker's lifetime). Everything else, the dataset's own files
+  included, is left alone.
+- :class:`FetchMarks`: one int per slot in shared memory that the worker sets to the
+  key of the task it is fetching and clears after, so that the main process knows,
+  when a worker has died, whether it died fetching a batch (which then counts against
+  that batch) or idle, starting up or restoring (which never does).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import mmap
 import multiprocessing
 import multiprocessing.util
 import os
+import re
 import signal
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing import reduction
 from multiprocessing.context import BaseContext
 from typing import Any, Final
 
@@ -37,6 +54,13 @@ _KILL_TIMEOUT_S: Final = 2.0
 _TASK_PIPE_BYTES: Final = 1 << 20
 _F_SETPIPE_SZ: Final = 1031
 _SHM_DIR: Final = "/dev/shm"
+# torch names the shared memory a process creates "/dev/shm/torch_<pid>_...".
+_TORCH_SHM: Final = re.compile(r"/dev/shm/torch_(\d+)_")
+
+# Every live pool of this process, and the pid of every worker any pool of it started:
+# what a forked worker must let go of (NOTE [ inherited fds ]).
+_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
+_WORKER_PIDS: set[int] = set()
 
 
 def _widen_pipe(conn: Connection) -> None:
@@ -108,6 +132,136 @@ def likely_cause(exitcode: int | None, messages: int) -> str:
     return f" ({cause})" if cause else ""
 
 
+class FetchMarks:
+    """One int64 per worker slot, shared with the workers: the key of the task the
+    slot's worker is fetching, or :attr:`IDLE`.
+
+    A worker writes it right before and right after each fetch (two stores into shared
+    memory, well under a microsecond a batch); the main process reads it only after the
+    worker has died. Under fork the memory is an anonymous shared mapping the workers
+    inherit (no file descriptor at all); under spawn and forkserver it is a memfd,
+    passed to each worker as multiprocessing passes a pipe, and mapped there.
+    """
+
+    IDLE: Final = -1
+
+    def __init__(self, count: int, shareable: bool, fd: int | None = None) -> None:
+        self.count = count
+        size = 8 * count
+        self.fd: int | None = None
+        if fd is not None:  # a worker attaching to the main process's memfd
+            self._map = mmap.mmap(fd, size)
+            os.close(fd)
+        elif shareable:
+            self.fd = os.memfd_create("snaploader-fetch-marks", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, size)
+            self._map = mmap.mmap(self.fd, size)
+        else:
+            self._map = mmap.mmap(-1, size)
+        self._view: memoryview | None = memoryview(self._map).cast("q")
+        for slot in range(count):
+            self._view[slot] = self.IDLE
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Only while a spawn or forkserver worker is being started: DupFd then hands
+        # the fd to the new process as multiprocessing does a pipe's.
+        if self.fd is None:
+            raise TypeError("fork-only FetchMarks cannot be sent to another process")
+        return _attach_marks, (reduction.DupFd(self.fd), self.count)
+
+    def set(self, slot: int, key: int) -> None:
+        if self._view is not None:
+            self._view[slot] = key
+
+    def get(self, slot: int) -> int:
+        return self.IDLE if self._view is None else int(self._view[slot])
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+            self._map.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _attach_marks(dup: Any, count: int) -> FetchMarks:
+    return FetchMarks(count, shareable=False, fd=dup.detach())
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """What a forked worker inherited and must release: the main process's pipe ends
+    (``fds``), and the shared memory of tensors created by the workers ``shm_pids``."""
+
+    fds: tuple[int, ...] = ()
+    shm_pids: frozenset[int] = frozenset()
+
+
+_PROT_NONE: Final = 0
+_MAP_PRIVATE: Final = 0x02
+_MAP_FIXED: Final = 0x10
+_MAP_ANONYMOUS: Final = 0x20
+_MAP_NORESERVE: Final = 0x4000
+
+
+def release_inherited(inherited: Inherited) -> None:
+    """Let go of what this (forked) process inherited and does not own.
+
+    Each fd is pointed at /dev/null rather than closed, and each mapping is replaced by
+    an inaccessible anonymous one rather than unmapped: this process's copy of the
+    main process's objects still owns those numbers and addresses, and may close or
+    unmap them later (a cyclic gc); they must not be in use by something else then.
+    """
+    devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        mine = _shm_fds(inherited.shm_pids) if inherited.shm_pids else []
+        for fd in (*inherited.fds, *mine):
+            try:
+                os.dup2(devnull, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(devnull)
+    if inherited.shm_pids:
+        _replace_shm_mappings(inherited.shm_pids)
+
+
+def _from_workers(path: str, pids: frozenset[int]) -> bool:
+    match = _TORCH_SHM.match(path)
+    return match is not None and int(match.group(1)) in pids
+
+
+def _shm_fds(pids: frozenset[int]) -> list[int]:
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if _from_workers(os.readlink(f"/proc/self/fd/{name}"), pids):
+                found.append(int(name))
+        except OSError:
+            pass  # the directory listing's own fd, gone already
+    return found
+
+
+def _replace_shm_mappings(pids: frozenset[int]) -> None:
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    flags = _MAP_PRIVATE | _MAP_FIXED | _MAP_ANONYMOUS | _MAP_NORESERVE
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not _from_workers(fields[5], pids):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        libc.mmap(start, end - start, _PROT_NONE, flags, -1, 0)  # on failure: keep it
+
+
 @dataclass
 class WorkerProcess:
     slot: int
@@ -134,8 +288,8 @@ class WorkerProcess:
 class Pool:
     """A fixed number of worker slots, each holding at most one live process.
 
-    ``target(*make_args(slot), task_conn, result_conn, parent_pid, inherited_fds)`` is
-    the worker's entry point.
+    ``target(*make_args(slot), task_conn, result_conn, parent_pid, inherited, marks)``
+    is the worker's entry point; it calls :func:`release_inherited` with ``inherited``.
     """
 
     def __init__(
@@ -151,6 +305,8 @@ class Pool:
         self.workers: list[WorkerProcess | None] = [None] * num_slots
         self.owner_pid = os.getpid()
         self._fork = context.get_start_method() == "fork"
+        self.marks = FetchMarks(num_slots, shareable=not self._fork)
+        _POOLS.add(self)
         if self._fork:
             # Forked workers then share the parent's temporary directory (used for the
             # sockets that pass shared-memory file descriptors) instead of each making
@@ -164,15 +320,17 @@ class Pool:
         task_recv, task_send = self.context.Pipe(duplex=False)
         result_recv, result_send = self.context.Pipe(duplex=False)
         _widen_pipe(task_send)
-        inherited = []
+        inherited = Inherited()
         if self._fork:
-            for other in self.workers:
-                if other is not None:
-                    inherited += [other.task.fileno(), other.result.fileno()]
-            inherited += [task_send.fileno(), result_recv.fileno()]
+            fds = [task_send.fileno(), result_recv.fileno()]
+            for pool in list(_POOLS):
+                if pool.owner_pid == os.getpid():
+                    fds += pool.pipe_fds()
+            inherited = Inherited(tuple(fds), frozenset(_WORKER_PIDS))
+        self.marks.set(slot, FetchMarks.IDLE)
         process = self.context.Process(  # type: ignore[attr-defined]
             target=self.target,
-            args=(*self.make_args(slot), task_recv, result_send, os.getpid(), inherited),
+            args=(*self.make_args(slot), task_recv, result_send, os.getpid(), inherited, self.marks),
             daemon=True,
             name=f"snaploader-worker-{slot}",
         )
@@ -183,16 +341,32 @@ class Pool:
             result_send.close()
         worker = WorkerProcess(slot, process, task_send, result_recv)
         self.workers[slot] = worker
+        _WORKER_PIDS.add(worker.pid)
         return worker
 
-    def wait(self, timeout_s: float | None) -> tuple[list[WorkerProcess], list[WorkerProcess]]:
+    def pipe_fds(self) -> list[int]:
+        """This process's ends of the live workers' pipes, and the fetch marks' fd."""
+        fds = [] if self.marks.fd is None else [self.marks.fd]
+        for worker in self.workers:
+            if worker is None:
+                continue
+            for conn in (worker.task, worker.result):
+                if not conn.closed:
+                    fds.append(conn.fileno())
+        return fds
+
+    def wait(
+        self, timeout_s: float | None, skip: Collection[int] = ()
+    ) -> tuple[list[WorkerProcess], list[WorkerProcess]]:
         """Block until a result pipe is readable or a process has exited, or
-        ``timeout_s`` passes. Returns (workers with results, workers that exited); a
-        caller that replaces a worker must ignore the replaced one's later entries."""
+        ``timeout_s`` passes; the result pipes of the slots in ``skip`` are not waited
+        on (their sentinels are). Returns (workers with results, workers that exited);
+        a caller that replaces a worker must ignore the replaced one's later entries."""
         handles: dict[Any, tuple[WorkerProcess, bool]] = {}
         for worker in self.workers:
             if worker is not None:
-                handles[worker.result] = (worker, True)
+                if worker.slot not in skip:
+                    handles[worker.result] = (worker, True)
                 handles[worker.process.sentinel] = (worker, False)
         ready = wait(list(handles), timeout_s)
         readable = [handles[h][0] for h in ready if handles[h][1]]
@@ -240,3 +414,4 @@ class Pool:
             worker.task.close()
             worker.process.close()
         self.workers = [None] * len(self.workers)
+        self.marks.close()

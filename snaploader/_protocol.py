@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import io
 import pickle
+import struct
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,8 +121,11 @@ class WorkerError:
     formatted: str
 
     @staticmethod
-    def capture(exc: BaseException) -> WorkerError:
+    def capture(exc: BaseException, origin: str = "") -> WorkerError:
+        """``origin``, when given, says where ``exc`` was raised if not in the worker."""
         formatted = "".join(traceback.format_exception(exc))
+        if origin:
+            formatted = f"(raised {origin})\n{formatted}"
         pickled: bytes | None
         try:
             blob: bytes = cloudpickle.dumps(exc)
@@ -170,6 +174,7 @@ def has_state_protocol(obj: Any) -> bool:
 # the message. A result sent that way is also complete by itself: it stays readable
 # even if its worker dies right after sending it.
 _BY_VALUE_MAX_BYTES: Final = 256 * 1024
+_FDS: Final = struct.Struct("<I")
 
 
 def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -179,7 +184,12 @@ def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -
 
 
 class _ResultPickler(ForkingPickler):
+    shared = 0  # tensors sent through shared memory: each is an fd in the receiver
+
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.nbytes > _BY_VALUE_MAX_BYTES:
+            self.shared += 1
+            return NotImplemented
         if (
             type(obj) is torch.Tensor
             and obj.device.type == "cpu"
@@ -193,16 +203,54 @@ class _ResultPickler(ForkingPickler):
         return NotImplemented
 
 
+# A result travels as two pickles back to back in one message: the header (key, kind,
+# snapshot: plain data) and then the payload, followed by the count of its tensors in
+# shared memory (``fds_of``: the receiver bounds the fds it holds, _receiver.py). The main process unpickles the payload
+# only after the header, so a payload that fails to unpickle there (a class whose
+# reconstructor raises, shared memory whose sender died) still names its batch and
+# brings its snapshot: see ``UnreadablePayload``.
+
+
 def dumps_result(result: Result) -> bytes:
     """Pickle a result for the result pipe (see NOTE [ small tensors by value ])."""
     buffer = io.BytesIO()
-    _ResultPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(result)
+    header = (result.key, result.kind, result.snapshot, result.digest)
+    _ResultPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(header)
+    pickler = _ResultPickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dump(result.payload)
+    buffer.write(_FDS.pack(min(pickler.shared, 0xFFFFFFFF)))
     return buffer.getvalue()
 
 
+def fds_of(blob: bytes) -> int:
+    """How many file descriptors the result in ``blob`` holds in the main process once
+    unpickled (its tensors in shared memory; views of one storage count each)."""
+    return int(_FDS.unpack_from(blob, len(blob) - _FDS.size)[0])
+
+
+class UnreadablePayload(Exception):
+    """The payload of the result for task ``key`` could not be unpickled in the main
+    process; ``error`` is why. Whether that is the user's error or a lost result
+    depends on whether its sender is still alive, which only the receiver can tell."""
+
+    def __init__(self, key: int, kind: Kind, snapshot: Snapshot, error: Exception) -> None:
+        super().__init__(f"the result for task {key} could not be unpickled: {error!r}")
+        self.key = key
+        self.kind = kind
+        self.snapshot = snapshot
+        self.error = error
+
+
 def loads_result(blob: bytes) -> Result:
-    """Unpickle what :func:`dumps_result` made, opening shared memory as torch does."""
-    result = ForkingPickler.loads(blob)
-    if not isinstance(result, Result):
-        raise TypeError(f"a worker sent a {type(result).__name__} where a Result was due")
-    return result
+    """Unpickle what :func:`dumps_result` made, opening shared memory as torch does.
+    Raises :class:`UnreadablePayload` when only the payload fails."""
+    stream = io.BytesIO(blob)
+    header = pickle.load(stream)
+    if not (isinstance(header, tuple) and len(header) == 4 and isinstance(header[2], Snapshot)):
+        raise TypeError(f"a worker sent a {type(header).__name__} where a result header was due")
+    key, kind, snapshot, digest = header
+    try:
+        payload = pickle.load(stream)  # ForkingPickler's reductions are registered globally
+    except Exception as exc:
+        raise UnreadablePayload(key, kind, snapshot, exc) from exc
+    return Result(key, kind, payload, snapshot, digest)

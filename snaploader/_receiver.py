@@ -6,7 +6,7 @@
       ├─ Result ──► unpickled at once, while its sender lives ──► slot.received
       └─ death  ──► keep every complete result it sent, respawn the slot from the
                     snapshot after its last received batch, re-send what is
-                    outstanding (bounded retries per batch, NOTE [ poison batch ])
+                    outstanding (NOTE [ poison batch ], NOTE [ restart storms ])
 ```
 
 - ``timeout > 0`` bounds each wait for a batch, as in torch. Otherwise the wait is on
@@ -14,24 +14,54 @@
   polling.
 - A result whose shared memory can no longer be opened because its sender died counts
   as never received, and so does every later result of that worker: results are
-  accepted in the order they were sent or not at all.
+  accepted in the order they were sent or not at all. A result that fails to unpickle
+  while its sender is alive is the user's error (a reconstructor that raises): it is
+  raised, as the original exception, when its batch is due, and the worker lives on.
+- NOTE [ fd budget ]: a result whose tensors travel through shared memory holds one fd
+  per tensor in this process from unpickling until the user drops the batch. Results
+  are read from a worker's pipe only while the received-but-not-yielded results hold
+  fewer than ``fd_budget`` fds (the slot being waited for always gets its next one);
+  the rest wait in the pipes, where they hold no fd here. Deaths are still seen at
+  once (sentinels are always waited on), and a dead worker's pipe is drained whole.
 """
 
 from __future__ import annotations
 
 import pickle
+import resource
 import time
 import warnings
+from multiprocessing.connection import wait
 from multiprocessing.context import BaseContext
+from typing import Final
 
 import cloudpickle
 
 from ._errors import WorkerCrashedError, WorkerRespawnedWarning, short_indices, user_stacklevel
-from ._ledger import resume_after
+from ._ledger import EpochProgress, resume_after
 from ._pool import Pool, WorkerProcess, describe_exit, likely_cause
-from ._protocol import Result, Resume, Task, WorkerSetup, loads_result
+from ._protocol import Kind, Result, Resume, Task, UnreadablePayload, WorkerError, WorkerSetup, fds_of, loads_result
 from ._runner import Runner
 from ._worker import worker_main
+
+# NOTE [ restart storms ]: deaths that are not a batch's fault (killed idle, or while
+# starting or restoring) never end the run; repeated ones of a slot that has delivered
+# nothing since are spaced out, from _BACKOFF_FIRST_S doubling up to _BACKOFF_MAX_S.
+_BACKOFF_FIRST_S: Final = 0.05
+_BACKOFF_MAX_S: Final = 2.0
+# How long a result that failed to unpickle waits for its sender to be seen dead
+# before the failure is taken for the user's: a sender killed right after sending
+# closes its sockets an instant before it can be reaped.
+_SENDER_DEATH_GRACE_S: Final = 1.0
+# See NOTE [ fd budget ]: at most this many fds, and a quarter of the soft limit.
+_FD_BUDGET_MAX: Final = 64
+
+
+def _fd_budget() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return _FD_BUDGET_MAX
+    return max(1, min(_FD_BUDGET_MAX, soft // 4))
 
 
 class ProcessRunner(Runner):
@@ -50,9 +80,15 @@ class ProcessRunner(Runner):
         self.iterable = setup.iterable
         self.timeout_s = timeout_s
         self.max_retries = max_retries
-        # Deaths per (epoch, slot, batch): only a batch that kills its worker again and
-        # again is given up on.
+        # Deaths per (epoch, slot, batch) while that batch was being fetched, and per
+        # (epoch, slot, None) of a worker that exited by itself before taking a task:
+        # only these lead to a verdict.
         self.crashes: dict[tuple[int, int, int | None], int] = {}
+        self.storm = [0] * count  # deaths per slot since it last delivered a result
+        # slot: (when, what happened for the warning or "" for none, the retry count)
+        self.respawn_due: dict[int, tuple[float, str, str]] = {}
+        self.fd_budget = _fd_budget()
+        self.held_fds = 0  # fds held by received, not yet yielded results
         payload: WorkerSetup | bytes = setup
         if context.get_start_method() != "fork":
             payload = cloudpickle.dumps(setup)
@@ -80,6 +116,10 @@ class ProcessRunner(Runner):
         except OSError:
             pass  # it died; the receiver sees its sentinel and re-sends what is outstanding
 
+    def begin_epoch(self, progress: EpochProgress) -> None:
+        super().begin_epoch(progress)
+        self.held_fds = 0
+
     def next_result(self, slot: int) -> tuple[Task, Result]:
         state = self.slots[slot]
         deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
@@ -87,7 +127,7 @@ class ProcessRunner(Runner):
             if state.failed is not None and not state.outstanding:
                 raise state.failed
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._pump(wait_s)
+            self._pump(wait_s, slot)
             if not state.received and deadline is not None and time.monotonic() >= deadline:
                 waited = self.pool.workers[slot]
                 pid = waited.pid if waited is not None else "?"
@@ -97,7 +137,9 @@ class ProcessRunner(Runner):
                     f"worker {slot} (pid {pid}) to produce batch {key} of epoch "
                     f"{self.epoch}; raise timeout= or make the dataset faster"
                 )
-        return state.received.popleft()
+        task, result, fds = state.pop()
+        self.held_fds -= fds
+        return task, result
 
     def settle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -105,29 +147,43 @@ class ProcessRunner(Runner):
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 return  # the next epoch restarts them from the ledger: slower, still exact
-            self._pump(left_s)
+            self._pump(left_s, None)
 
     def close(self) -> None:
+        self.respawn_due.clear()
         self.pool.shutdown()
 
     # -- receiving -----------------------------------------------------------------
 
-    def _pump(self, wait_s: float | None) -> None:
-        """Wait up to ``wait_s`` for results or deaths, and handle what came."""
-        readable, exited = self.pool.wait(wait_s)
+    def _pump(self, wait_s: float | None, waiting: int | None) -> None:
+        """Wait up to ``wait_s`` for results or deaths, and handle what came. Results
+        of slots other than ``waiting`` are read only within the fd budget."""
+        self._respawn_when_due()
+        if self.respawn_due:
+            until_s = max(0.0, min(due for due, _, _ in self.respawn_due.values()) - time.monotonic())
+            wait_s = until_s if wait_s is None else min(wait_s, until_s)
+        over = self.held_fds >= self.fd_budget
+        skip = {slot for slot in range(self.count) if over and slot != waiting}
+        readable, exited = self.pool.wait(wait_s, skip)
         for worker in readable:
             if self.pool.holds(worker):
-                lost = self._drain(worker, 0)
+                lost = self._drain(worker, 0, waiting)
                 if lost:
                     self._on_death(worker, lost)
         for worker in exited:
             self._on_death(worker)
+        self._respawn_when_due()
 
-    def _drain(self, worker: WorkerProcess, lost: int) -> int:
-        """Accept, in order, every complete result waiting in ``worker``'s pipe; return
-        how many could not be read (``lost`` of them before this call)."""
+    def _drain(self, worker: WorkerProcess, lost: int, waiting: int | None, whole: bool = False) -> int:
+        """Accept, in order, the complete results waiting in ``worker``'s pipe (all of
+        them when ``whole``, else within the fd budget); return how many could not be
+        read (``lost`` of them before this call)."""
+        slot = worker.slot
+        state = self.slots[slot]
         try:
             while worker.result.poll():
+                if not whole and self.held_fds >= self.fd_budget and (slot != waiting or state.received):
+                    break
                 blob = worker.result.recv_bytes()
                 worker.messages += 1
                 if lost:
@@ -135,71 +191,127 @@ class ProcessRunner(Runner):
                     continue
                 try:
                     result = loads_result(blob)
+                except UnreadablePayload as unreadable:
+                    if self._sender_died(worker):
+                        lost += 1
+                        continue
+                    result = self._unreadable_as_error(unreadable, slot)
                 except Exception:
                     lost += 1
                     continue
-                self.accept(worker.slot, result)
+                self.storm[slot] = 0
+                fds = fds_of(blob) if result.kind is Kind.BATCH else 0
+                before = len(state.received)
+                self.accept(slot, result, fds)
+                if len(state.received) > before:
+                    self.held_fds += fds
         except (EOFError, OSError):
             pass  # a torn last message: it died while sending; its sentinel tells
         return lost
+
+    @staticmethod
+    def _sender_died(worker: WorkerProcess) -> bool:
+        return bool(wait([worker.process.sentinel], _SENDER_DEATH_GRACE_S))
+
+    @staticmethod
+    def _unreadable_as_error(unreadable: UnreadablePayload, slot: int) -> Result:
+        # Its sender lives: the payload itself cannot be rebuilt here (a reconstructor
+        # that raises). The user's error, raised when this batch is due, like one
+        # raised in __getitem__; the snapshot after the batch came intact with it.
+        error = WorkerError.capture(
+            unreadable.error,
+            origin=f"in the main process, unpickling the batch worker {slot} sent",
+        )
+        return Result(unreadable.key, Kind.ERROR, error, unreadable.snapshot)
 
     def _on_death(self, worker: WorkerProcess, lost: int = 0) -> None:
         if not self.pool.holds(worker):
             return  # already handled (seen both as a broken pipe and as a sentinel)
         slot = worker.slot
-        lost = self._drain(worker, lost)  # keep every complete result it sent
+        lost = self._drain(worker, lost, None, whole=True)  # keep every complete result it sent
         if worker.process.is_alive():
             worker.process.kill()
+        mark = self.pool.marks.get(slot)
         self.pool.discard(slot)
         exitcode = worker.process.exitcode
         how = describe_exit(exitcode)
         cause = likely_cause(exitcode, worker.messages)
         state = self.slots[slot]
         # It answers in order: it answered the first ``lost`` outstanding tasks (the
-        # answers were lost) and died on the next one, or idle.
+        # answers were lost) and died on the next one, or idle. Its mark says whether
+        # it had started that one: only then is the batch to blame.
         task = state.outstanding[lost] if len(state.outstanding) > lost else None
-        key = (self.epoch, slot, None if task is None else task.key)
-        self.crashes[key] = self.crashes.get(key, 0) + 1
-        retries = self.max_retries
-        what = self._describe(task)
-        if self.crashes[key] > retries:
-            error = WorkerCrashedError(
-                f"worker {slot} (pid {worker.pid}) {how} while loading {what}"
-                f"{cause}, {self.crashes[key]} times in a row; gave up after "
-                f"{retries} respawn(s) (max_worker_retries={retries}). The batch likely "
-                "holds a sample that crashes the dataset code; state_dict() still "
-                "resumes at this batch"
-            )
-            if task is None:
-                raise error
-            # NOTE [ poison batch ]: raise when the failed batch is due (next_result),
-            # not now, so that every batch before it is still yielded and state_dict()
-            # then points at it. Only the tasks before it are produced again, by a new
-            # process, because their results may have been lost with this one.
-            state.failed = error
-            while len(state.outstanding) > lost:
-                state.outstanding.pop()
-            if not state.outstanding:
-                return
-        new = self.pool.start(slot)
-        if self.progress is not None:
-            received = [result.snapshot for _, result in state.received]
-            self._transmit(slot, resume_after(self.progress.workers[slot], received))
-        for pending in state.outstanding:
-            self._transmit(slot, pending)
-        if state.failed is not None:
-            return
-        warnings.warn(
-            f"worker {slot} (pid {worker.pid}) {how} while loading {what}{cause}; "
-            f"respawned as pid {new.pid} from its snapshot, retry {self.crashes[key]} of "
-            f"{retries}",
-            WorkerRespawnedWarning,
-            stacklevel=user_stacklevel(),
-        )
+        fetching = task is not None and mark == task.key
+        what = self._describe(task, fetching)
+        if fetching or (exitcode or 0) > 0:
+            # A worker that exits with a code before taking a task killed itself (an
+            # import that fails under spawn, os._exit in worker_init_fn): that repeats.
+            key = (self.epoch, slot, task.key if fetching and task is not None else None)
+            self.crashes[key] = self.crashes.get(key, 0) + 1
+            if self.crashes[key] > self.max_retries:
+                self._give_up(worker, slot, what, how, cause, self.crashes[key], task if fetching else None, lost)
+                if not state.outstanding:
+                    return
+            retry = f"retry {self.crashes[key]} of {self.max_retries}"
+        else:
+            retry = "not counted against any batch (it had not started one)"
+        self.storm[slot] += 1
+        delay_s = 0.0
+        if self.storm[slot] > 1:
+            delay_s = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (self.storm[slot] - 2))
+        said = "" if state.failed is not None else f"worker {slot} (pid {worker.pid}) {how} while {what}{cause}"
+        self.respawn_due[slot] = (time.monotonic() + delay_s, said, retry)
+        if delay_s == 0:
+            self._respawn_when_due()
 
-    def _describe(self, task: Task | None) -> str:
+    def _give_up(
+        self, worker: WorkerProcess, slot: int, what: str, how: str, cause: str, times: int,
+        task: Task | None, lost: int,
+    ) -> None:
+        retries = self.max_retries
+        error = WorkerCrashedError(
+            f"worker {slot} (pid {worker.pid}) {how} while {what}{cause}, {times} times in "
+            f"a row; gave up after {retries} respawn(s) (max_worker_retries={retries}). "
+            + ("The batch likely holds a sample that crashes the dataset code; "
+               "state_dict() still resumes at this batch" if task is not None else
+               "The worker cannot start")
+        )
         if task is None:
-            return f"nothing (idle) in epoch {self.epoch}"
+            raise error
+        # NOTE [ poison batch ]: raise when the failed batch is due (next_result), not
+        # now, so that every batch before it is still yielded and state_dict() then
+        # points at it. Only the tasks before it are produced again, by a new process,
+        # because their results may have been lost with this one.
+        state = self.slots[slot]
+        state.failed = error
+        while len(state.outstanding) > lost:
+            state.outstanding.pop()
+
+    def _respawn_when_due(self) -> None:
+        now = time.monotonic()
+        for slot, (due, said, retry) in list(self.respawn_due.items()):
+            if due > now:
+                continue
+            del self.respawn_due[slot]
+            state = self.slots[slot]
+            new = self.pool.start(slot)
+            if self.progress is not None:
+                received = [result.snapshot for _, result in state.received]
+                self._transmit(slot, resume_after(self.progress.workers[slot], received))
+            for pending in state.outstanding:
+                self._transmit(slot, pending)
+            if said:
+                warnings.warn(
+                    f"{said}; respawned as pid {new.pid} from its snapshot, {retry}",
+                    WorkerRespawnedWarning,
+                    stacklevel=user_stacklevel(),
+                )
+
+    def _describe(self, task: Task | None, fetching: bool) -> str:
+        if task is None:
+            return f"idle in epoch {self.epoch}"
         if self.iterable:
-            return f"its batch {task.key} of epoch {self.epoch}"
-        return f"batch {task.key} of epoch {self.epoch} (sample indices {short_indices(task.indices)})"
+            batch = f"its batch {task.key} of epoch {self.epoch}"
+        else:
+            batch = f"batch {task.key} of epoch {self.epoch} (sample indices {short_indices(task.indices)})"
+        return f"loading {batch}" if fetching else f"starting or restoring, before {batch}"

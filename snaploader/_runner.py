@@ -30,6 +30,13 @@ class Slot:
     sent: int = 0  # iterable: tasks sent this epoch (the worker-local batch key)
     done: bool = False  # iterable: its "exhausted" reply arrived; send nothing more
     failed: WorkerCrashedError | None = None  # raised when its next batch is due
+    # Per received answer: the fds its tensors hold in this process (NOTE [ fd budget ]).
+    held_fds: deque[int] = field(default_factory=deque)
+
+    def pop(self) -> tuple[Task, Result, int]:
+        """The oldest received answer, its task, and the fds it holds."""
+        task, result = self.received.popleft()
+        return task, result, self.held_fds.popleft()
 
 
 class Runner(ABC):
@@ -56,8 +63,9 @@ class Runner(ABC):
             self.slots[slot].outstanding.append(msg)
         self._transmit(slot, msg)
 
-    def accept(self, slot: int, result: Result) -> None:
-        """Take ``result``, the answer to ``slot``'s oldest outstanding task."""
+    def accept(self, slot: int, result: Result, fds: int = 0) -> None:
+        """Take ``result``, the answer to ``slot``'s oldest outstanding task, holding
+        ``fds`` file descriptors in this process until it is yielded."""
         state = self.slots[slot]
         task = state.outstanding.popleft()
         if task.key != result.key:
@@ -72,6 +80,7 @@ class Runner(ABC):
         elif state.done:
             return
         state.received.append((task, result))
+        state.held_fds.append(fds)
         if result.digest is not None and self.progress is not None:
             self.progress.note_digest(slot, result.snapshot.produced, result.digest)
 

@@ -42,6 +42,7 @@ from ._protocol import (
     dumps_result,
     has_state_protocol,
 )
+from ._pool import FetchMarks, Inherited, release_inherited
 from ._rng import NativeRng, RngState, capture_rng, restore_rng
 from ._selfcheck import batch_digest
 
@@ -271,18 +272,14 @@ def worker_main(
     task_conn: Connection,
     result_conn: Connection,
     parent_pid: int,
-    inherited_fds: list[int],
+    inherited: Inherited,
+    marks: FetchMarks,
 ) -> None:
     """Entry point of a worker process (see the module docstring for the protocol)."""
     # Ctrl-C reaches the whole process group; the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Under fork we inherited the main process's ends of every other worker's pipes.
-    # Holding them would keep those pipes open after their owners are gone.
-    for fd in inherited_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    # Under fork: the main process's pipe ends and received batches (NOTE [ inherited fds ]).
+    release_inherited(inherited)
     torch.utils.data._utils.signal_handling._set_worker_signal_handlers()
     torch.set_num_threads(1)
     if isinstance(setup, bytes):
@@ -340,7 +337,10 @@ def worker_main(
         if isinstance(msg, Resume):
             runtime.resume(msg)
             continue
+        # Only a death between these two marks counts against this batch (_receiver.py).
+        marks.set(worker_id, msg.key)
         result = runtime.run(msg)
+        marks.set(worker_id, FetchMarks.IDLE)
         drain()  # so the main process never blocks sending us a task while we send
         try:
             result_conn.send_bytes(dumps_result(result))

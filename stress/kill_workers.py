@@ -3,7 +3,9 @@
 uninterrupted one.
 
     python stress/kill_workers.py --seconds 300      # a long run, for people
-    python stress/kill_workers.py --quick            # the CI variant (under a minute)
+    python stress/kill_workers.py --storm --seconds 90  # kill storms only
+    python stress/kill_workers.py --quick            # the CI variant (under a minute),
+                                                     # its last runs kill storms
 
 Each *run* builds a loader with a randomly drawn configuration: dataset kind (map-style,
 iterable without a state protocol, iterable with one), persistent workers on or off,
@@ -13,13 +15,20 @@ moments. Every epoch's batches (sample ids and a digest of every tensor byte) ar
 compared with an uninterrupted reference run of the same configuration, computed first
 (under fork: the stream does not depend on the start method).
 
+Kill storms (``--storm``, and the last runs of ``--quick``): for the first seconds of
+a run the killer sends SIGKILL or SIGSEGV every 10-80 ms under fork (every 1-3 s under
+spawn, where a respawn takes seconds), without waiting for the loop to receive a batch
+in between, so workers die idle, while starting, while restoring their snapshot and
+while fetching. Those runs keep the default ``max_worker_retries``: only deaths while
+a batch is being fetched count against it, so a storm must not end a run.
+
 Latency: for every kill, the time from the kill to the next batch the training loop
 receives, against the normal time between batches of the reference runs (reported per
 start method; a spawn respawn imports torch again, a fork respawn does not).
 
 Summary line (the last line of output):
 
-    runs=N kills=N failures=N leaks=N respawns=N respawn_latency_ms=... normal_batch_ms=...
+    runs=N storms=N kills=N failures=N leaks=N respawns=N respawn_latency_ms=... normal_batch_ms=...
 
 A failure is an epoch that differs from the reference or a run that raised; a leak is
 a child process, fd or /dev/shm entry left at the end. Exit status 1 on either.
@@ -79,7 +88,9 @@ class Killer(threading.Thread):
     ``gap_s`` (drawn per kill), until ``budget`` kills are spent (``run_budget`` in the
     current run) or it is stopped. It kills only after the training loop has received
     a batch since the last kill, so that a run always makes progress (a spawn respawn
-    that is killed again while importing torch would otherwise loop for minutes)."""
+    that is killed again while importing torch would otherwise loop for minutes);
+    except during a storm (until ``storm_until``), when it kills every ``gap_s``
+    whatever happens."""
 
     def __init__(self, rng: random.Random, budget: int) -> None:
         super().__init__(daemon=True)
@@ -90,6 +101,7 @@ class Killer(threading.Thread):
         self.iterator: Any = None
         self.batches = 0  # batches the training loop has received, all runs
         self.gap_s = (0.02, 0.25)
+        self.storm_until = 0.0  # monotonic time
         self.kills: list[tuple[float, int, str]] = []  # (monotonic time, pid, signal)
         self.stopping = threading.Event()
 
@@ -97,9 +109,12 @@ class Killer(threading.Thread):
         me = os.getpid()
         seen = -1
         while not self.stopping.wait(self.rng.uniform(*self.gap_s)):
-            if len(self.kills) >= self.budget or len(self.kills) - self.run_start >= self.run_budget:
+            storming = time.monotonic() < self.storm_until
+            if len(self.kills) >= self.budget or (
+                not storming and len(self.kills) - self.run_start >= self.run_budget
+            ):
                 continue
-            if self.batches == seen:
+            if self.batches == seen and not storming:
                 continue
             iterator = self.iterator
             try:
@@ -121,7 +136,7 @@ class Killer(threading.Thread):
             self.kills.append((time.monotonic(), pid, signal.Signals(sig).name))
 
 
-def make_loader(cfg: Config, n: int, delay_s: float, log_path: str) -> DataLoader:
+def make_loader(cfg: Config, n: int, delay_s: float, log_path: str, storm: bool = False) -> DataLoader:
     return DataLoader(
         make_dataset(cfg.kind, n, delay_s),
         batch_size=_BATCH,
@@ -133,7 +148,9 @@ def make_loader(cfg: Config, n: int, delay_s: float, log_path: str) -> DataLoade
         persistent_workers=cfg.persistent,
         timeout=_BATCH_TIMEOUT_S,
         replay="allow",
-        max_worker_retries=1_000_000,  # the killer, not a poison sample: never give up
+        # Outside storms the killer may strike one batch's fetch again and again: it is
+        # not a poison sample, never give up. In a storm, the default: see the docstring.
+        max_worker_retries=3 if storm else 1_000_000,
     )
 
 
@@ -176,9 +193,14 @@ def main() -> int:
     parser.add_argument("--only", metavar="KIND,PERSISTENT,CONTEXT,WORKERS",
                         help="one configuration for every run, e.g. map,1,spawn,2")
     parser.add_argument("--quick", action="store_true", help="the short bounded CI variant")
+    parser.add_argument("--storm", action="store_true", help="kill storms in every run")
+    parser.add_argument("--storm-s", type=float, default=1.5,
+                        help="how long a storm lasts in a fork run (four times that under spawn)")
     args = parser.parse_args()
+    storm_from_s = 0.0 if args.storm else float("inf")  # runs started after this storm
     if args.quick:
-        args.seconds, args.samples = 25.0, 96
+        args.seconds, args.samples = 35.0, 96
+        storm_from_s = min(storm_from_s, 22.0)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     rng = random.Random(seed)
     faulthandler.dump_traceback_later(args.seconds + 900, exit=True)  # never hang CI
@@ -192,12 +214,14 @@ def main() -> int:
     references: dict[tuple[str, bool, int], list[list[str]]] = {}
     normal_gaps: list[float] = []
     latency: dict[str, list[float]] = {"fork": [], "spawn": []}
-    runs = kills = failures = respawns = 0
+    runs = kills = failures = respawns = storms = 0
     started = time.monotonic()
     killer = Killer(rng, args.kills)
     killer.start()
     try:
         while time.monotonic() - started < args.seconds and kills < args.kills:
+            # --quick: the spawn run and at least one ordinary fork run come first
+            storm = time.monotonic() - started >= storm_from_s and (not args.quick or runs >= 2)
             spawn = (runs == 0) if args.quick else rng.random() < args.spawn_share
             cfg = Config(
                 kind=rng.choice(KINDS),
@@ -216,16 +240,24 @@ def main() -> int:
                 references[key] = run_epochs(make_loader(reference_cfg, args.samples, args.delay_ms / 1000, log_path), _EPOCHS, None, ref_times)
                 normal_gaps += [b - a for a, b in zip(ref_times, ref_times[1:]) if b > a]
             # A spawn respawn takes seconds: kill less often there.
-            killer.gap_s = (0.5, 3.0) if spawn else (0.02, 0.25)
-            killer.run_budget = 2 if args.quick and spawn else args.kills
+            if storm:
+                killer.gap_s = (1.0, 3.0) if spawn else (0.01, 0.08)
+                killer.run_budget = 0
+            else:
+                killer.gap_s = (0.5, 3.0) if spawn else (0.02, 0.25)
+                killer.run_budget = 2 if args.quick and spawn else args.kills
             before = killer.run_start = len(killer.kills)
             times: list[float] = []
             run_started = time.monotonic()
+            if storm:
+                storms += 1
+                killer.storm_until = run_started + args.storm_s * (4 if spawn else 1)
             problem = ""
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    got = run_epochs(make_loader(cfg, args.samples, args.delay_ms / 1000, log_path), _EPOCHS, killer, times)
+                    loader = make_loader(cfg, args.samples, args.delay_ms / 1000, log_path, storm)
+                    got = run_epochs(loader, _EPOCHS, killer, times)
                     for epoch, (a, b) in enumerate(zip(got, references[key])):
                         if a != b:
                             k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -245,7 +277,8 @@ def main() -> int:
             runs += 1
             failures += bool(problem)
             status = "ok" if not problem else "FAIL " + problem
-            print(f"run {runs:3}: {cfg}  kills={len(run_kills):3} respawns={run_respawns:3} "
+            killer.storm_until = 0.0
+            print(f"run {runs:3}: {cfg}{'  storm' if storm else ''}  kills={len(run_kills):3} respawns={run_respawns:3} "
                   f"{time.monotonic() - run_started:5.1f}s  {status}", flush=True)
             if problem:
                 for t_kill, pid, sig in run_kills:
@@ -268,7 +301,7 @@ def main() -> int:
     print(f"worker stderr: {log_path}")
     print(f"respawn latency = time from a kill to the next batch, median/p90 in ms; "
           f"normal batch = median time between batches of the uninterrupted runs")
-    print(f"runs={runs} kills={kills} failures={failures} leaks={len(leaks)} respawns={respawns} "
+    print(f"runs={runs} storms={storms} kills={kills} failures={failures} leaks={len(leaks)} respawns={respawns} "
           f"respawn_latency_ms=fork:{ms(latency['fork'])},spawn:{ms(latency['spawn'])} "
           f"normal_batch_ms={1000 * statistics.median(normal_gaps) if normal_gaps else float('nan'):.1f}",
           flush=True)

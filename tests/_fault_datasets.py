@@ -30,6 +30,7 @@ KILL = "kill"
 RAISE = "raise"
 LAMBDA = "lambda"  # the batch holds a lambda: it cannot be pickled
 GENERATOR = "generator"  # the batch holds a generator object: it cannot be pickled
+UNLOADABLE = "unloadable"  # the batch pickles in the worker but fails to unpickle in main
 # Return the sample, then SIGKILL ourselves from a background thread shortly after:
 # the batch (with a tensor in shared memory) may reach the main process just before or
 # while the worker dies.
@@ -40,6 +41,26 @@ EXIT_CODE = 3
 
 class PoisonError(ValueError):
     """Raised by a dataset for a sample it cannot load."""
+
+
+class RebuildError(LookupError):
+    """Raised when an :class:`Unloadable` is unpickled outside a worker."""
+
+
+def _rebuild_unloadable(item: int) -> Unloadable:
+    if get_worker_info() is None:  # the main process: the reconstructor fails there
+        raise RebuildError(f"cannot rebuild sample {item} here")
+    return Unloadable(item)
+
+
+class Unloadable:
+    """Pickles fine; unpickling it in the main process raises :class:`RebuildError`."""
+
+    def __init__(self, item: int) -> None:
+        self.item = item
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_unloadable, (self.item,)
 
 
 @dataclass(frozen=True)
@@ -63,7 +84,7 @@ class Fault:
 
     def apply(self, sample: dict[str, Any]) -> dict[str, Any]:
         """Called with ``sample`` for item ``self.item``; returns what to yield."""
-        if self.kind not in (LAMBDA, GENERATOR) and not self.fires():
+        if self.kind not in (LAMBDA, GENERATOR, UNLOADABLE) and not self.fires():
             return sample
         if self.kind == SEGV:
             ctypes.string_at(0)
@@ -78,6 +99,8 @@ class Fault:
             return {**sample, "bad": lambda: None}
         elif self.kind == GENERATOR:
             return {**sample, "bad": (x for x in range(3))}
+        elif self.kind == UNLOADABLE:
+            return {**sample, "bad": Unloadable(self.item)}
         elif self.kind == KILL_AFTER:
             def kill_soon() -> None:
                 time.sleep(0.002)
@@ -188,6 +211,14 @@ class IterFaultsStateful(IterableDataset[dict[str, Any]]):
 
     def __iter__(self) -> _StatefulIterator:
         return _StatefulIterator(self)
+
+
+def slow_start(directory: str, sleep_s: float, worker_id: int) -> None:
+    """A ``worker_init_fn`` (with the first two arguments bound): announces this process
+    as a file ``<pid>-<worker_id>`` in ``directory``, then takes ``sleep_s`` to start."""
+    with open(os.path.join(directory, f"{os.getpid()}-{worker_id}"), "w"):
+        pass
+    time.sleep(sleep_s)
 
 
 def wait_for(path: str | None, limit_s: float = 60.0) -> None:

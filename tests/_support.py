@@ -3,11 +3,15 @@ and fixtures that start multiprocessing's helper processes before the leak check
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import multiprocessing
+import sys
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -75,3 +79,14 @@ def mp_helpers() -> None:
     check, so that they are not counted as processes the test left behind."""
     multiprocessing.resource_tracker.ensure_running()
     multiprocessing.forkserver.ensure_running()
+
+
+def load_stress_script(name: str) -> ModuleType:
+    """The script ``stress/<name>.py`` as a module (stress/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "stress" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"snaploader_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up
+    spec.loader.exec_module(module)
+    return module

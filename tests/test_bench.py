@@ -4,27 +4,20 @@ fails on them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH_PATH = Path(__file__).resolve().parents[1] / "stress" / "bench.py"
+from ._support import load_stress_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("snaploader_bench", BENCH_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look the module up
-    spec.loader.exec_module(module)
-    return module
+    return load_stress_script("bench")
 
 
 def tiny_config(bench: ModuleType) -> Any:

@@ -19,6 +19,7 @@ method, so comparing spawn and forkserver runs with it checks that too.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -297,7 +298,78 @@ def test_unpicklable_batch_is_an_error_naming_the_batch(context: str, fault: str
     assert_same_batches(got, want[:failed] + want[failed + 1:])
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_batch_that_fails_to_unpickle_in_main_is_the_users_error(context: str) -> None:
+    """The worker pickles the batch, the main process cannot rebuild it (a reconstructor
+    that raises): the original exception when the batch is due, the worker not killed
+    for it, and the next batch next, as torch goes on after a raising batch."""
+    want = reference("map", False, 1)[0]
+    item = 13
+    failed = position_of(want, item)
+    loader = make_loader(fds.MapFaults(N, fds.Fault(fds.UNLOADABLE, item)), context, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        it = iter(loader)
+        pids = list(it.worker_pids)
+        got = [next(it) for _ in range(failed)]
+        with pytest.raises(fds.RebuildError, match=f"cannot rebuild sample {item} here") as excinfo:
+            next(it)
+        assert it.worker_pids == pids, "a worker was killed for the user's error"
+        got += list(it)
+    note = "\n".join(getattr(excinfo.value, "__notes__", []))
+    assert "Caught RebuildError" in note
+    assert f"worker process {failed % WORKERS} " in note
+    assert f"batch {failed} of epoch 0" in note
+    assert f"sample indices {want[failed]['index'].tolist()}" in note
+    assert "in the main process, unpickling the batch" in note
+    assert respawn_warnings(caught) == []
+    assert_same_batches(got, want[:failed] + want[failed + 1:])
+
+
 # -- deaths the dataset does not cause ----------------------------------------------------
+
+
+@pytest.mark.parametrize("context,kills", [("fork", 3), ("spawn", 1)])
+def test_deaths_before_a_batch_starts_never_count(tmp_path: Path, context: str, kills: int) -> None:
+    """Worker 1 is killed while starting up (in worker_init_fn), again and again, with
+    its first batch outstanding: with max_worker_retries=0 the run still completes,
+    because none of these deaths happened while a batch was being fetched."""
+    want = reference("map", False, 1)[0]
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    init = functools.partial(fds.slow_start, str(starts), 0.3)
+    loader = make_loader(fds.MapFaults(N), context, False, max_worker_retries=0, worker_init_fn=init)
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_starting_worker_1() -> None:
+        seen: set[str] = set()
+        while len(killed) < kills and not stop.is_set():
+            for name in sorted(set(os.listdir(starts)) - seen):
+                seen.add(name)
+                pid, worker = map(int, name.split("-"))
+                if worker == 1 and len(killed) < kills:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_starting_worker_1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        killer.start()
+        try:
+            got = run(loader, 1)
+        finally:
+            stop.set()
+            killer.join()
+    assert len(killed) == kills
+    assert_same_stream(got, [want])
+    messages = respawn_warnings(caught)
+    assert len(messages) == kills, messages
+    for pid, message in zip(killed, messages):
+        assert f"worker 1 (pid {pid}) was killed by SIGKILL while starting or restoring, before batch 1 " in message
+        assert "not counted against any batch" in message
+
 
 
 class _GateOnWarning(list):  # type: ignore[type-arg]

@@ -292,6 +292,27 @@ def test_load_into_the_same_loader_rewinds() -> None:
     del iterator, loader
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_load_while_iterating_invalidates_the_old_iterator(persistent: bool) -> None:
+    """After load_state_dict() the old iterator never yields the old stream on (which
+    state_dict() no longer describes): it raises, and iter() resumes the loaded state."""
+    config = _config(num_workers=2, persistent_workers=persistent)
+    want = list(build_loader(config, SEED))
+    loader = build_loader(config, SEED)
+    old = iter(loader)
+    take(old, 1)
+    state = loader.state_dict()
+    take(old, 2)
+    pids = old.worker_pids
+    assert pids
+    loader.load_state_dict(state)
+    assert old.worker_pids == []  # its workers were stopped
+    for _ in range(2):  # and it stays invalid
+        with pytest.raises(RuntimeError, match=r"invalidated by load_state_dict\(\); call iter\(loader\)"):
+            next(old)
+    assert_same_stream(list(loader), want[1:])
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_global_rng_untouched_by_load_and_iter_without_generator(num_workers: int) -> None:
     config = _config(num_workers=num_workers, generator=False)

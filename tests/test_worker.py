@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 
-from snaploader._protocol import Kind, Result, Snapshot, dumps_result
+from snaploader._protocol import Kind, Result, Snapshot, dumps_result, loads_result
 
 CASES = [
     torch.arange(12, dtype=torch.float32).reshape(3, 4),
@@ -24,7 +22,7 @@ CASES = [
 @pytest.mark.parametrize("tensor", CASES, ids=lambda t: f"{t.dtype}-{tuple(t.shape)}")
 def test_small_tensors_round_trip_by_value(tensor: torch.Tensor) -> None:
     result = Result(7, Kind.BATCH, {"x": tensor, "y": [tensor, 1]}, Snapshot(b"\x00", 1))
-    back = pickle.loads(dumps_result(result))
+    back = loads_result(dumps_result(result))
     for got in (back.payload["x"], back.payload["y"][0]):
         assert got.dtype == tensor.dtype and got.shape == tensor.shape
         assert torch.equal(got, tensor)
