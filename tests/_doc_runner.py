@@ -30,6 +30,7 @@ def _child(script: str) -> None:
     os.close(out)
     os.chdir(os.path.dirname(script))
     sys.argv = [script]
+    sys.path.insert(0, os.path.dirname(script))  # as `python script.py` does
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")

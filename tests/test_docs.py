@@ -19,6 +19,9 @@ The conventions, for whoever writes a doc:
 - A block that is intentionally not a whole program (a method shown out of its class, a
   loop with elided parts) is marked ```` ```python fragment ````: it is only compiled.
   An unmarked block that fails fails this test.
+- A block that the reader saves as a module (``pipeline.py``) is marked
+  ```` ```python file=pipeline.py ````: it is written under that name in the document's
+  temporary directory, where later blocks import it, and run too.
 - ```` ```bash ```` blocks install packages, build virtual environments or start long
   runs (the demo, the test suite, the benchmark, the stress scripts); running them here
   would download or take minutes, so such a block is skipped, and the reason is
@@ -50,7 +53,7 @@ _SHELL = {"bash", "sh", "shell", "console"}
 # Why a bash block is not run here: the first pattern that matches it.
 _SKIP_BASH = (
     (re.compile(r"pip install|-m venv"), "installs packages"),
-    (re.compile(r"snaploader\.demo|-m pytest|stress/"), "starts a long run"),
+    (re.compile(r"snaploader\.demo|-m pytest|stress/|snaploader verify"), "starts a long run"),
 )
 
 
@@ -206,7 +209,11 @@ def test_code_blocks_run(doc: Path, tmp_path: Path, runner: _Runner) -> None:
                 except SyntaxError as exc:
                     failures.append(f"{block.where}: a fragment that does not compile: {exc}")
                 continue
-            assert not block.marks, f"{block.where}: unknown mark {block.marks}; only 'fragment'"
+            files = [mark.removeprefix("file=") for mark in block.marks if mark.startswith("file=")]
+            unknown = [mark for mark in block.marks if not mark.startswith("file=")]
+            assert not unknown, f"{block.where}: unknown mark {unknown}; only 'fragment' or 'file=NAME'"
+            for name in files:
+                (tmp_path / name).write_text(block.code)
             failure = _run_python(block, tmp_path, runner)
         elif block.language in _SHELL:
             reason = _skip_reason(block)
