@@ -27,7 +27,9 @@ Layout (version 2)::
                    arrived (the resume self-check, _selfcheck.py), or None
     workers        one ledger per logical worker (see _ledger.py):
                    {epoch_start, yielded, yielded_complete, exhausted}, each snapshot
-                   {rng (base64), produced, data, data_owner, complete, exhausted};
+                   {rng (base64), produced, data, data_owner, complete, exhausted,
+                   objects (base64 of the generator objects' states, _objkinds.py, or
+                   None; absent in checkpoints from before it existed)};
                    yielded_complete is "same as yielded" when it is; epoch_start is
                    None unless resuming needs it (nothing yielded yet, or a replay)
 
@@ -46,6 +48,7 @@ import torch
 from . import _plain
 from ._errors import CheckpointFormatError, CheckpointMismatchError, StateNotPlainDataError
 from ._ledger import EpochProgress, EpochStart, Position, WorkerLedger
+from ._objects import check_objects
 from ._protocol import Snapshot
 from ._rng import RngSource, check_rng, rng_bytes
 
@@ -168,6 +171,7 @@ def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
         "data_owner": snapshot.data_owner,
         "complete": snapshot.complete,
         "exhausted": snapshot.exhausted,
+        "objects": None if snapshot.objects is None else _plain.b64(snapshot.objects),
     }
 
 
@@ -510,6 +514,14 @@ def _check_snapshot(where: str, snapshot: dict[str, Any], facts: LoaderFacts) ->
         _plain.decode(snapshot["data"], f"{where}['data']")
     except ValueError as exc:
         raise _fail(f"{where}['data']", f"cannot be decoded: {exc}") from None
+    objects = snapshot.get("objects")
+    if objects is not None:
+        if not isinstance(objects, str):
+            raise _fail(f"{where}['objects']", f"should be str or None, got {type(objects).__name__}")
+        try:
+            check_objects(_plain.unb64(objects, f"{where}['objects']"))
+        except ValueError as exc:
+            raise _fail(f"{where}['objects']", f"is not a generator-object state snaploader wrote: {exc}") from None
 
 
 def _snapshot_from_plain(plain: dict[str, Any], where: str) -> Snapshot:
@@ -520,6 +532,7 @@ def _snapshot_from_plain(plain: dict[str, Any], where: str) -> Snapshot:
         data_owner=plain["data_owner"],
         complete=plain["complete"],
         exhausted=plain["exhausted"],
+        objects=None if plain.get("objects") is None else _plain.unb64(plain["objects"], f"{where}['objects']"),
     )
 
 
