@@ -27,7 +27,9 @@ Layout (version 2)::
                    arrived (the resume self-check, _selfcheck.py), or None
     workers        one ledger per logical worker (see _ledger.py):
                    {epoch_start, yielded, yielded_complete, exhausted}, each snapshot
-                   {rng (base64), produced, data, data_owner, complete, exhausted};
+                   {rng (base64), produced, data, data_owner, complete, exhausted,
+                   objects (base64 of the generator objects' states, _objkinds.py, or
+                   None)};
                    yielded_complete is "same as yielded" when it is; epoch_start is
                    None unless resuming needs it (nothing yielded yet, or a replay)
 
@@ -69,6 +71,7 @@ def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
         "data_owner": snapshot.data_owner,
         "complete": snapshot.complete,
         "exhausted": snapshot.exhausted,
+        "objects": None if snapshot.objects is None else _plain.b64(snapshot.objects),
     }
 
 
@@ -169,6 +172,7 @@ def _snapshot_from_plain(plain: dict[str, Any], where: str) -> Snapshot:
         data_owner=plain["data_owner"],
         complete=plain["complete"],
         exhausted=plain["exhausted"],
+        objects=None if plain.get("objects") is None else _plain.unb64(plain["objects"], f"{where}['objects']"),
     )
 
 

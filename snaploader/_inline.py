@@ -55,6 +55,11 @@ class InlineRunner(Runner):
         self.runtime = WorkerRuntime(setup, 0, in_main_process=True)
         self.rng: NativeRng | None = None  # the slot's RNG states while swapped out
         self.warned_threads = False
+        # The generator objects the slot's code holds are swapped the same way: the
+        # dataset is the user's object here, and between calls its generators are left
+        # as a worker process would leave the main process's copy: untouched. So every
+        # epoch starts them where a fresh worker would (num_workers=0 is 1's stream).
+        self.object_states: list[bytes] | None = None
         self._call(self.runtime.initialize)
 
     @property
@@ -67,8 +72,12 @@ class InlineRunner(Runner):
         took them last thing (a batch's snapshot), saving one more copy."""
         main_rng = NativeRng.take()
         main_info = torch_worker._worker_info
+        objects = self.runtime.objects
+        outside = objects.read_all()
         if self.rng is not None:
             self.rng.put()
+        if self.object_states is not None:
+            objects.write_all(self.object_states)
         set_worker_info(self.runtime.info)
         taken: NativeRng | None = None
         try:
@@ -80,6 +89,10 @@ class InlineRunner(Runner):
             self.rng = taken if taken is not None else NativeRng.take(self.runtime.seed_rng)
             if taken is not None and not self.warned_threads and threading.active_count() > 1:
                 self._check_no_other_draws(taken)
+            # resume() may have found the objects anew: take the slot's states from the
+            # current ones, put the outside states back into those they were read from
+            self.object_states = self.runtime.objects.read_all()
+            objects.write_all(outside)
             main_rng.put()
             set_worker_info(main_info)
 

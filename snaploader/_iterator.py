@@ -48,6 +48,7 @@ from ._ledger import (
     replay_without_protocol,
     resume_after,
 )
+from ._objects import RngCensus
 from ._plan import IndexPlan, epoch_aware_part
 from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
 from ._receiver import ProcessRunner
@@ -83,6 +84,9 @@ class LoaderSettings:
     replay: str
     max_worker_retries: int
     check_resume: bool = True
+    rng_objects: Any = None
+    exclude_rngs: Any = None
+    rng_census: RngCensus | None = None
 
     @property
     def slots(self) -> int:
@@ -209,9 +213,13 @@ class SnapIterator:
             base_seed=base_seed,
             state_every=settings.snapshot_every,
             digests=settings.check_resume and settings.num_workers > 0,
+            rng_objects=settings.rng_objects,
+            exclude_rngs=settings.exclude_rngs,
         )
         if settings.num_workers == 0:
-            return InlineRunner(setup)
+            inline = InlineRunner(setup)
+            inline.census = settings.rng_census
+            return inline
         runner = ProcessRunner(
             setup,
             settings.num_workers,
@@ -219,6 +227,7 @@ class SnapIterator:
             timeout_s=settings.timeout_s,
             max_retries=settings.max_worker_retries,
         )
+        runner.census = settings.rng_census
         # NOTE [ shutdown under gc ]: a persistent iterator and its loader form a cycle.
         # The cyclic gc may run the pipes' own __del__ (which closes their fds but keeps
         # the numbers) before ours, and our close() would then close fd numbers that may

@@ -15,6 +15,7 @@ import torch
 
 from . import _plain
 from ._errors import CheckpointFormatError, CheckpointMismatchError
+from ._objects import check_objects
 from ._rng import RngSource, check_rng
 
 FORMAT: Final = "snaploader"
@@ -382,5 +383,13 @@ def _check_snapshot(where: str, snapshot: dict[str, Any], facts: LoaderFacts) ->
         _plain.decode(snapshot["data"], f"{where}['data']")
     except ValueError as exc:
         raise _fail(f"{where}['data']", f"cannot be decoded: {exc}") from None
+    objects = snapshot.get("objects")
+    if objects is not None:
+        if not isinstance(objects, str):
+            raise _fail(f"{where}['objects']", f"should be str or None, got {type(objects).__name__}")
+        try:
+            check_objects(_plain.unb64(objects, f"{where}['objects']"))
+        except ValueError as exc:
+            raise _fail(f"{where}['objects']", f"is not a generator-object state snaploader wrote: {exc}") from None
 
 

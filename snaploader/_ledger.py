@@ -70,12 +70,13 @@ def resume_from(
     if at.complete:
         return Resume(at, at.produced, 0, None, new_epoch=False, exhausted=at.exhausted)
     if at.exhausted:
-        return Resume(epoch_start, at.produced, 0, at.rng, new_epoch=True, exhausted=True)
+        return Resume(epoch_start, at.produced, 0, at.rng, True, True, at.objects)
     if at_complete is not None:
         return Resume(
-            at_complete, at_complete.produced, at.produced - at_complete.produced, at.rng, False
+            at_complete, at_complete.produced, at.produced - at_complete.produced, at.rng, False,
+            final_objects=at.objects,
         )
-    return Resume(epoch_start, 0, at.produced, at.rng, new_epoch=True)
+    return Resume(epoch_start, 0, at.produced, at.rng, new_epoch=True, final_objects=at.objects)
 
 
 def resume_after(ledger: WorkerLedger, received: Iterable[Snapshot] = ()) -> Resume:

@@ -16,6 +16,8 @@ from ._layout import Fingerprint, LoaderFacts, fingerprint_of
 from ._errors import ReplayRefusedError
 from ._iterator import LoaderSettings, SnapIterator
 from ._ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
+from ._objects import RngCensus, discover
+from ._objkinds import KINDS
 from ._plan import stateful_part
 from ._protocol import has_state_protocol
 from ._rng import RngSource
@@ -43,6 +45,13 @@ class DataLoader(torch_data.DataLoader):
       small digest with each batch; a checkpoint keeps those of the batches that were
       prefetched but not yet yielded, and after a restore the regenerated batches are
       compared with them (:class:`~snaploader.ResumeMismatchWarning` on a difference).
+    * ``rng_objects`` (callable or None): called in each worker after ``worker_init_fn``;
+      returns an object (or a list or dict of them) holding generators the search of
+      the dataset, ``collate_fn`` and ``worker_init_fn`` cannot reach (a global of
+      another module, say), to capture them too.
+    * ``exclude_rngs`` (paths, or a predicate ``(path, generator) -> bool``): generator
+      objects not to capture; a path leaves out everything under it.
+      :meth:`captured_rngs` lists what is captured.
 
     Differences from torch are listed in ``docs/differences.md``.
     """
@@ -71,6 +80,8 @@ class DataLoader(torch_data.DataLoader):
         replay: str = "warn",
         max_worker_retries: int = 3,
         check_resume: bool = True,
+        rng_objects: Callable[[], Any] | None = None,
+        exclude_rngs: Iterable[str] | Callable[[str, Any], bool] = (),
     ) -> None:
         super().__init__(
             dataset,
@@ -117,6 +128,14 @@ class DataLoader(torch_data.DataLoader):
         if not isinstance(check_resume, bool):
             raise ValueError(f"check_resume should be True or False, got {check_resume!r}")
         self.check_resume = check_resume
+        if rng_objects is not None and not callable(rng_objects):
+            raise ValueError(
+                "rng_objects should be a callable that returns the objects holding "
+                f"generators (called in each worker), or None; got {type(rng_objects).__name__}"
+            )
+        self.rng_objects = rng_objects
+        self.exclude_rngs = _checked_exclude(exclude_rngs)
+        self._rng_census = RngCensus()
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -153,6 +172,9 @@ class DataLoader(torch_data.DataLoader):
             replay=self.replay,
             max_worker_retries=self.max_worker_retries,
             check_resume=self.check_resume,
+            rng_objects=self.rng_objects,
+            exclude_rngs=self.exclude_rngs,
+            rng_census=self._rng_census,
         )
 
     def _warn_pin_memory(self) -> None:
@@ -197,6 +219,23 @@ class DataLoader(torch_data.DataLoader):
         if previous is None:
             return EpochStart(epoch=0)
         return EpochStart.after(previous, self.persistent_workers)
+
+    def captured_rngs(self) -> list[tuple[str, str]]:
+        """The generator objects whose states checkpoints carry, as (path, kind) pairs,
+        such as ``("dataset.transform.transforms[0].random_generator", "numpy PCG64")``.
+
+        Once a batch has been produced, this is what the workers found (including
+        generators made by ``worker_init_fn`` and ``rng_objects``). Before that, it is
+        what a search of this process's dataset, ``collate_fn`` and ``worker_init_fn``
+        finds, without running them; iterators' generators show up only from workers.
+        """
+        captured = self._rng_census.captured()
+        if captured:
+            return captured
+        roots = [("dataset", self.dataset), ("collate_fn", self.collate_fn),
+                 ("worker_init_fn", self.worker_init_fn)]
+        found, _ = discover(roots, self.exclude_rngs)
+        return [(entry.path, KINDS[entry.code].name) for entry in found]
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -273,3 +312,21 @@ class DataLoader(torch_data.DataLoader):
         self._pending = restore.start
         self._pending_state = dict(state)
         self._progress = None
+
+
+def _checked_exclude(exclude: Any) -> Any:
+    if callable(exclude):
+        return exclude
+    if isinstance(exclude, str):
+        return (exclude,)
+    try:
+        paths = tuple(exclude)
+    except TypeError:
+        paths = None
+    if paths is None or not all(isinstance(path, str) for path in paths):
+        raise ValueError(
+            "exclude_rngs should be paths as captured_rngs() names them (a list of str, "
+            "e.g. ['dataset.noise_rng']) or a predicate (path, generator) -> bool; "
+            f"got {exclude!r:.80}"
+        )
+    return paths

@@ -32,6 +32,7 @@ import cloudpickle
 import torch
 
 if TYPE_CHECKING:
+    from ._objects import RngReport
     from ._rng import NativeRng
 
 
@@ -58,6 +59,8 @@ class WorkerSetup:
     base_seed: int
     state_every: int
     digests: bool = False  # send each batch's digest (the resume self-check)
+    rng_objects: Callable[[], Any] | None = None  # DataLoader(rng_objects=...)
+    exclude_rngs: Any = None  # DataLoader(exclude_rngs=...): paths or a predicate
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,10 @@ class Snapshot:
     (``snapshot_every`` > 1 skipped this one), None when it has not (a replay for want
     of it). ``exhausted`` marks the snapshot after an iterable worker's last batch of the
     epoch: the one its iterator ran dry in (a short batch), or its "exhausted" reply.
+    ``objects`` holds the states of the generator objects the worker's code holds
+    (``_objects.py``; encoded with their paths), or None when it found none.
+    ``report`` is news for the main process about those objects (what was found, what
+    cannot be captured); it is not part of the state and never enters a checkpoint.
     """
 
     rng: bytes | NativeRng
@@ -83,6 +90,8 @@ class Snapshot:
     data_owner: str | None = None
     complete: bool = True
     exhausted: bool = False
+    objects: bytes | None = None
+    report: RngReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +99,7 @@ class Resume:
     """Position the worker for an epoch: restore ``base`` (None: keep the current state,
     i.e. the fresh seed state or, for persistent workers, where the last epoch left it),
     set the epoch position to ``base_produced``, replay ``replay`` batches, and finally
-    set the RNGs to ``final_rng`` when given. ``new_epoch`` says that ``base`` is the
+    set the RNGs to ``final_rng`` (and the generator objects to ``final_objects``) when given. ``new_epoch`` says that ``base`` is the
     state at an epoch start, so an iterator-level state in it belongs to the last epoch.
     ``exhausted``: the worker has produced its last batch of the epoch (nothing is
     replayed then; it answers every task with "exhausted")."""
@@ -101,6 +110,7 @@ class Resume:
     final_rng: bytes | NativeRng | None
     new_epoch: bool
     exhausted: bool = False
+    final_objects: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -446,3 +446,34 @@ class RngSource:
         finally:
             if saved is not None:
                 torch.set_rng_state(saved)
+
+
+# -- access to generator objects (``_objects.py``) ----------------------------------
+# The same verified raw access as the global generators get, for other instances.
+
+PY_STATE_BYTES: Final = _PY_BLOB  # a random.Random or RandomState blob: position, words, gaussian
+
+
+def python_rng_access(rng: random.Random) -> _MTAccess:
+    """Raw (or, failing the import-time probe, public-API) access to ``rng``'s state."""
+    return type(_python_rng)(rng)  # type: ignore[call-arg]
+
+
+def legacy_numpy_access(rng: np.random.RandomState) -> _MTAccess:
+    """Access to a RandomState over MT19937, as the global one is accessed."""
+    if isinstance(_numpy_rng, _NumpyRaw):
+        offset = ctypes.addressof(_numpy_rng.has_gauss) - id(_numpy_rng.rng)
+        return _NumpyRaw(rng, offset)
+    return _NumpySlow(rng)
+
+
+def check_mt_blob(blob: bytes, what: str) -> None:
+    """Raise ValueError unless ``blob`` is a :data:`PY_STATE_BYTES` state whose position
+    and gaussian flag are in range (what a raw write trusts)."""
+    if len(blob) != _PY_BLOB:
+        raise ValueError(f"its {what} state has {len(blob)} bytes; expected {_PY_BLOB}")
+    (position,) = struct.unpack_from("<i", blob)
+    if not 0 <= position <= _MT_WORDS:
+        raise ValueError(f"its {what} state has position {position}; expected 0 to {_MT_WORDS}")
+    if blob[_MT_BYTES] > 1:
+        raise ValueError(f"its {what} state has a gaussian flag of {blob[_MT_BYTES]}; expected 0 or 1")

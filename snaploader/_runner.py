@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ._errors import WorkerCrashedError
 from ._ledger import EpochProgress
+from ._objects import RngCensus
 from ._protocol import Kind, Result, Resume, Task
 
 
@@ -46,6 +47,7 @@ class Runner(ABC):
         self.count = count
         self.slots = [Slot() for _ in range(count)]
         self.progress: EpochProgress | None = None
+        self.census: RngCensus | None = None  # the loader's view of the workers' generators
 
     def begin_epoch(self, progress: EpochProgress) -> None:
         """Forget the last epoch's tasks; ``progress`` is the ledger of the new one."""
@@ -81,6 +83,9 @@ class Runner(ABC):
             return
         state.received.append((task, result))
         state.held_fds.append(fds)
+        report = result.snapshot.report
+        if report is not None and self.census is not None:
+            self.census.note(slot, report)
         if result.digest is not None and self.progress is not None:
             self.progress.note_digest(slot, result.snapshot.produced, result.digest)
 

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data._utils import worker as torch_worker
 
 from ._errors import CheckpointFormatError
+from ._objects import ObjectRngs, RngReport
 from ._plain import check_plain
 from ._protocol import (
     Kind,
@@ -88,6 +89,8 @@ class WorkerRuntime:
         self.produced = 0
         self.checked_plain = False
         self.seed_rng: bytes | None = None  # RNG states right after seeding
+        self.objects = ObjectRngs([], [])  # generator objects the worker's code holds
+        self.objects_now: tuple[bytes | None, RngReport | None] = (None, None)  # as of the last snapshot
 
     # -- start-up and positioning -------------------------------------------------
 
@@ -107,11 +110,34 @@ class WorkerRuntime:
                 self.setup.worker_init_fn(self.worker_id)
             except Exception as exc:
                 self.pending_error = WorkerError.capture(exc)
+        self._discover()
+
+    def _discover(self) -> None:
+        """Find the generator objects the worker's code holds (``_objects.py``): at start,
+        after ``worker_init_fn``, and at every resume, where a new iterator appears."""
+        setup = self.setup
+        roots = [("dataset", self.dataset), ("collate_fn", setup.collate_fn),
+                 ("worker_init_fn", setup.worker_init_fn)]
+        if self.iterator is not None:
+            roots.append(("iterator", self.iterator))
+        try:
+            self.objects = ObjectRngs.find(roots, setup.rng_objects, setup.exclude_rngs)
+        except Exception as exc:  # rng_objects() or an exclude_rngs predicate raised
+            self.objects = ObjectRngs([], [])
+            self.pending_error = self.pending_error or WorkerError.capture(exc)
+
+    def _restore_objects(self, blob: bytes | None, skip_iterator: bool = False) -> None:
+        try:
+            self.objects.restore(blob, self.worker_id, skip_iterator)
+        except CheckpointFormatError as exc:
+            self.pending_error = self.pending_error or WorkerError.capture(exc)
 
     def resume(self, msg: Resume) -> None:
         base = msg.base
         self.ended = self.exhausted = False
         self.checked_plain = False
+        self.iterator = None
+        self._discover()
         # iter(dataset) may draw from the global RNGs (a shuffle seed, say). Mid-epoch,
         # that draw happened before ``base`` was taken, so the RNGs are restored after
         # the iterator is made; at an epoch start it comes after ``base``, so before.
@@ -119,6 +145,8 @@ class WorkerRuntime:
         if base is not None:
             if mid_epoch is None:
                 restore_rng(base.rng, self.seed_rng)
+                # the last epoch's iterator, and the generators it held, are gone
+                self._restore_objects(base.objects, skip_iterator=True)
             if base.data_owner == "dataset" and base.complete:
                 self.dataset.load_state_dict(self._copied(base.data))
         self.produced = msg.base_produced
@@ -130,8 +158,10 @@ class WorkerRuntime:
             except Exception as exc:
                 self.pending_error = WorkerError.capture(exc)
                 self.iterator = iter(())
+            self._discover()
         if mid_epoch is not None:
             restore_rng(mid_epoch.rng, self.seed_rng)
+            self._restore_objects(mid_epoch.objects)
         if self.setup.iterable:
             target = self.produced + msg.replay
             while self.produced < target and not self.exhausted:
@@ -150,6 +180,7 @@ class WorkerRuntime:
                 )
         if msg.final_rng is not None:
             restore_rng(msg.final_rng, self.seed_rng)
+            self._restore_objects(msg.final_objects)
         if msg.exhausted:
             self.exhausted = True
 
@@ -190,7 +221,9 @@ class WorkerRuntime:
         except Exception as exc:
             # A state_dict() that raises or returns non-plain data is the user's error:
             # report it like one raised in __getitem__, not as a worker crash.
-            bare = Snapshot(self._capture_rng(), self.produced, complete=not self.setup.iterable)
+            objects, report = self.objects_now
+            bare = Snapshot(self._capture_rng(), self.produced, complete=not self.setup.iterable,
+                            objects=objects, report=report)
             return Result(task.key, Kind.ERROR, WorkerError.capture(exc), bare)
         digest = batch_digest(payload) if self.setup.digests and kind is Kind.BATCH else None
         return Result(task.key, kind, payload, snapshot, digest)
@@ -235,6 +268,7 @@ class WorkerRuntime:
     def snapshot(self) -> Snapshot:
         setup = self.setup
         rng = self._capture_rng()
+        objects, report = self.objects_now = self.objects.snapshot()
         owner: str | None = None
         if setup.iterable and has_state_protocol(self.iterator):
             owner = "iterator"
@@ -248,15 +282,15 @@ class WorkerRuntime:
             if owner is None or not due:
                 # data_owner without data: a replay from an earlier snapshot of a
                 # stateful dataset (snapshot_every > 1), not one for want of the protocol
-                return Snapshot(rng, self.produced, None, owner, complete=False, exhausted=exhausted)
+                return Snapshot(rng, self.produced, None, owner, False, exhausted, objects, report)
         if owner is None:
-            return Snapshot(rng, self.produced)
+            return Snapshot(rng, self.produced, objects=objects, report=report)
         source = self.iterator if owner == "iterator" else self.dataset
         data = source.state_dict()  # type: ignore[union-attr]
         if not self.checked_plain:
             check_plain(data, f"{type(source).__qualname__}.state_dict()")
             self.checked_plain = True
-        return Snapshot(rng, self.produced, self._copied(data), owner, True, exhausted)
+        return Snapshot(rng, self.produced, self._copied(data), owner, True, exhausted, objects, report)
 
     def _copied(self, data: Any) -> Any:
         if not self.in_main_process or data is None:

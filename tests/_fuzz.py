@@ -23,6 +23,7 @@ from snaploader import _layout
 
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream
+from ._object_datasets import OwnGenerators, reseed_own
 from ._support import assert_same_stream, generator, through_bytes
 
 CLEAR = (snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError)
@@ -48,6 +49,14 @@ def _map_loader(workers: int, persistent: bool = False) -> Callable[[], snapload
     return make
 
 
+def _objects_loader() -> snaploader.DataLoader:
+    # generator objects in the dataset: mutations of each snapshot's "objects" field
+    return snaploader.DataLoader(
+        OwnGenerators(14), batch_size=3, shuffle=True, num_workers=2,
+        worker_init_fn=reseed_own, generator=generator(5), timeout=60,
+    )
+
+
 def _iter_loader(cls: type, workers: int) -> Callable[[], snaploader.DataLoader]:
     def make() -> snaploader.DataLoader:
         return snaploader.DataLoader(
@@ -64,6 +73,7 @@ CONFIGS: dict[str, tuple[Callable[[], snaploader.DataLoader], int, int]] = {
     "map-w2-persistent": (_map_loader(2, persistent=True), 1, 3),
     "iter-protocol-w2": (_iter_loader(IteratorStateStream, 2), 0, 3),
     "iter-plain-w0": (_iter_loader(PlainStream, 0), 0, 3),
+    "map-objects-w2": (_objects_loader, 0, 2),
 }
 
 
