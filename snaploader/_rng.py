@@ -24,6 +24,7 @@ import torch
 _MT_WORDS: Final = 624
 _MT_BYTES: Final = (_MT_WORDS + 1) * 4  # 624 state words and a position
 _GAUSS = struct.Struct("<Bd")  # has a cached gaussian, its value
+_NO_GAUSS: Final = _GAUSS.pack(False, 0.0)
 
 
 # NOTE [ raw RNG access ]
@@ -72,7 +73,7 @@ class _PyRandomRaw(_MTAccess):
 
     def read(self) -> bytes:
         gauss = self.rng.gauss_next  # type: ignore[attr-defined]
-        tail = _GAUSS.pack(gauss is not None, gauss or 0.0)
+        tail = _NO_GAUSS if gauss is None else _GAUSS.pack(True, gauss)
         return ctypes.string_at(self.address, _MT_BYTES) + tail
 
     def write(self, blob: bytes) -> None:
@@ -112,9 +113,12 @@ class _NumpyRaw(_MTAccess):
         self.gauss = ctypes.c_double.from_address(id(rng) + gauss_offset + 8)
 
     def read(self) -> bytes:
-        keys_and_pos = ctypes.string_at(self.state_address, _MT_BYTES)
         # stored as pos first, to match _NumpySlow's layout
-        return keys_and_pos[-4:] + keys_and_pos[:-4] + _GAUSS.pack(self.has_gauss.value, self.gauss.value)
+        return (
+            ctypes.string_at(self.pos_address, 4)
+            + ctypes.string_at(self.state_address, _MT_BYTES - 4)
+            + _GAUSS.pack(self.has_gauss.value, self.gauss.value)
+        )
 
     def write(self, blob: bytes) -> None:
         ctypes.memmove(self.state_address, blob[4:_MT_BYTES], _MT_BYTES - 4)
@@ -266,6 +270,60 @@ def _seed_parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
     return _seed_cache[1]
 
 
+# NOTE [ capture only what changed ]
+# Most datasets draw from one global RNG or none, so between two batches most of the
+# three states are unchanged. Reading a state is a copy of a few KB (cheap); packing
+# torch's (dropping its zero half) and joining the parts are what cost, so both are
+# done only for a state that differs from the last one this process encoded: equal
+# bytes are compared (memcmp) and the last packed part, or the whole last encoding, is
+# reused. Each cache is one tuple, replaced whole, so a capture on another thread (a
+# state_dict() at num_workers=0) can only miss it, never read half of it.
+_last_torch: tuple[bytes, bytes] = (b"", b"")  # raw state, packed
+_last_encoding: tuple[bytes | None, bytes, bytes, bytes, bytes] = (None, b"", b"", b"", b"")
+
+
+def _tensor_bytes(state: torch.Tensor) -> bytes:
+    """The bytes of a torch CPU generator state (a uint8 tensor, as get_rng_state()
+    returns and set_rng_state() takes), in one copy."""
+    if state.dtype == torch.uint8 and state.is_contiguous():
+        return ctypes.string_at(state.data_ptr(), state.numel())
+    return state.numpy().tobytes()
+
+
+def _packed_torch(raw: bytes) -> bytes:
+    """``pack_torch_state(raw)``, the same object as last time when ``raw`` is unchanged."""
+    global _last_torch
+    last = _last_torch
+    if raw == last[0]:
+        return last[1]
+    packed = _pack_torch(raw) if _TORCH_PACKED else raw
+    _last_torch = (raw, packed)
+    return packed
+
+
+def _encode(python: bytes, numpy: bytes, torch_packed: bytes, seed: bytes | None) -> bytes:
+    """The three states as one bytes object (the layout :meth:`NativeRng.decode` reads):
+    a flags byte (bit i: part i equals the seed state's, and is left out), the rest."""
+    global _last_encoding
+    last = _last_encoding
+    if seed is last[0] and torch_packed is last[3] and python == last[1] and numpy == last[2]:
+        return last[4]
+    parts = (python, numpy, torch_packed)
+    if seed is None:
+        blob = b"\x00" + b"".join(parts)
+    else:
+        flags = 0
+        kept = []
+        for bit, (part, seeded) in enumerate(zip(parts, _seed_parts(seed))):
+            if part == seeded:
+                flags |= 1 << bit
+            else:
+                kept.append(part)
+        blob = bytes((flags,)) + b"".join(kept)
+    _last_encoding = (seed, python, numpy, torch_packed, blob)
+    return blob
+
+
 class NativeRng:
     """The three global RNG states of this process as read, not yet encoded.
 
@@ -293,19 +351,7 @@ class NativeRng:
         torch.set_rng_state(self.torch)
 
     def encode(self) -> bytes:
-        raw = self.torch.numpy()
-        torch_state = _pack_torch(raw) if _TORCH_PACKED else raw.tobytes()
-        parts = (self.python, self.numpy, torch_state)
-        if self.seed is None:
-            return b"\x00" + b"".join(parts)
-        flags = 0
-        kept = []
-        for bit, (part, seeded) in enumerate(zip(parts, _seed_parts(self.seed))):
-            if part == seeded:
-                flags |= 1 << bit
-            else:
-                kept.append(part)
-        return bytes((flags,)) + b"".join(kept)
+        return _encode(self.python, self.numpy, _packed_torch(_tensor_bytes(self.torch)), self.seed)
 
     @staticmethod
     def decode(blob: bytes, seed: bytes | None) -> NativeRng:
@@ -338,7 +384,8 @@ def capture_rng(seed: bytes | None = None) -> bytes:
     state is written as a flag, not 2.5 KB: most datasets draw from one generator or
     none, and their snapshots and checkpoints shrink accordingly.
     """
-    return NativeRng.take(seed).encode()
+    torch_raw = _tensor_bytes(torch.get_rng_state())
+    return _encode(_python_rng.read(), _numpy_rng.read(), _packed_torch(torch_raw), seed)
 
 
 def restore_rng(state: RngState, seed: bytes | None = None) -> None:
