@@ -63,21 +63,29 @@ class _PyRandomSlow(_MTAccess):
         self.rng.setstate((3, state, gauss if has_gauss else None))
 
 
+def _memory(address: int, size: int) -> memoryview:
+    """A writable view of ``size`` bytes at ``address``, made once: reading it is
+    ``tobytes()`` and writing a slice assignment, with no foreign call each time (a
+    ctypes ``string_at`` or ``memmove`` costs about a microsecond a call). The caller
+    keeps the object owning the memory alive."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
 class _PyRandomRaw(_MTAccess):
     # CPython's RandomObject: PyObject_HEAD, int index, uint32_t state[624].
     _OFFSET = 2 * ctypes.sizeof(ctypes.c_void_p)
 
     def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-        self.address = id(rng) + self._OFFSET
+        self.rng = rng  # owns the memory of the view
+        self.state = _memory(id(rng) + self._OFFSET, _MT_BYTES)
 
     def read(self) -> bytes:
         gauss = self.rng.gauss_next  # type: ignore[attr-defined]
         tail = _NO_GAUSS if gauss is None else _GAUSS.pack(True, gauss)
-        return ctypes.string_at(self.address, _MT_BYTES) + tail
+        return self.state.tobytes() + tail
 
     def write(self, blob: bytes) -> None:
-        ctypes.memmove(self.address, blob, _MT_BYTES)
+        self.state[:] = memoryview(blob)[:_MT_BYTES]
         has_gauss, gauss = _GAUSS.unpack_from(blob, _MT_BYTES)
         self.rng.gauss_next = gauss if has_gauss else None  # type: ignore[attr-defined]
 
@@ -107,22 +115,20 @@ class _NumpyRaw(_MTAccess):
     def __init__(self, rng: np.random.RandomState, gauss_offset: int) -> None:
         self.rng = rng
         self.bit_generator = rng._bit_generator  # keeps the state struct alive
-        self.state_address = self.bit_generator.ctypes.state_address
-        self.pos_address = self.state_address + _MT_BYTES - 4
+        state_address = self.bit_generator.ctypes.state_address
+        self.keys = _memory(state_address, _MT_BYTES - 4)
+        self.pos = _memory(state_address + _MT_BYTES - 4, 4)
         self.has_gauss = ctypes.c_int.from_address(id(rng) + gauss_offset)
         self.gauss = ctypes.c_double.from_address(id(rng) + gauss_offset + 8)
 
     def read(self) -> bytes:
         # stored as pos first, to match _NumpySlow's layout
-        return (
-            ctypes.string_at(self.pos_address, 4)
-            + ctypes.string_at(self.state_address, _MT_BYTES - 4)
-            + _GAUSS.pack(self.has_gauss.value, self.gauss.value)
-        )
+        return self.pos.tobytes() + self.keys.tobytes() + _GAUSS.pack(self.has_gauss.value, self.gauss.value)
 
     def write(self, blob: bytes) -> None:
-        ctypes.memmove(self.state_address, blob[4:_MT_BYTES], _MT_BYTES - 4)
-        ctypes.memmove(self.pos_address, blob, 4)
+        view = memoryview(blob)
+        self.keys[:] = view[4:_MT_BYTES]
+        self.pos[:] = view[:4]
         has_gauss, gauss = _GAUSS.unpack_from(blob, _MT_BYTES)
         self.has_gauss.value = has_gauss
         self.gauss.value = gauss
@@ -278,6 +284,7 @@ def _seed_parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
 # bytes are compared (memcmp) and the last packed part, or the whole last encoding, is
 # reused. Each cache is one tuple, replaced whole, so a capture on another thread (a
 # state_dict() at num_workers=0) can only miss it, never read half of it.
+_torch_get_state: Final = torch.default_generator.get_state  # torch.get_rng_state, less a call
 _last_torch: tuple[bytes, bytes] = (b"", b"")  # raw state, packed
 _last_encoding: tuple[bytes | None, bytes, bytes, bytes, bytes] = (None, b"", b"", b"", b"")
 
@@ -343,7 +350,7 @@ class NativeRng:
 
     @staticmethod
     def take(seed: bytes | None = None) -> NativeRng:
-        return NativeRng(_python_rng.read(), _numpy_rng.read(), torch.get_rng_state(), seed)
+        return NativeRng(_python_rng.read(), _numpy_rng.read(), _torch_get_state(), seed)
 
     def put(self) -> None:
         _python_rng.write(self.python)
@@ -384,7 +391,7 @@ def capture_rng(seed: bytes | None = None) -> bytes:
     state is written as a flag, not 2.5 KB: most datasets draw from one generator or
     none, and their snapshots and checkpoints shrink accordingly.
     """
-    torch_raw = _tensor_bytes(torch.get_rng_state())
+    torch_raw = _tensor_bytes(_torch_get_state())
     return _encode(_python_rng.read(), _numpy_rng.read(), _packed_torch(torch_raw), seed)
 
 
