@@ -36,7 +36,9 @@ def _consume(iterator: Iterator[Any], n: int) -> None:
 # one for the tail), each at the moment iterating would make it, and slices the drawn
 # tensor instead of stepping through it. So the items and the generator's state at
 # every point are those of the sampler's own iterator. Whole randint chunks skipped at
-# once are drawn in one call when a probe shows that this draws the same numbers.
+# once are drawn in one call when a probe shows that this draws the same numbers. The
+# draws are not assumed to stay torch's: on first use a probe compares the fast path
+# with the sampler's own iterator on small cases, and any difference disables it.
 _RANDINT_CHUNK: Final = 32
 
 
@@ -96,9 +98,37 @@ def _batches(items: Iterator[Any], batch_size: int, drop_last: bool) -> Iterator
         yield batch
 
 
+@functools.lru_cache(maxsize=1)
+def _slices_like_torch() -> bool:
+    """True when :func:`_random_items` yields what stepping this torch's RandomSampler
+    yields and leaves its generator where stepping does."""
+    class Sized:
+        def __len__(self) -> int:
+            return 7
+
+    def sampler(num_samples: int | None, replacement: bool) -> RandomSampler:
+        generator = torch.Generator().manual_seed(3)
+        return RandomSampler(Sized(), replacement, num_samples, generator)  # type: ignore[arg-type]
+
+    try:
+        for num_samples, replacement in ((None, False), (23, False), (71, True)):
+            for skip in (0, 3, 9, 80):
+                stepped, sliced = sampler(num_samples, replacement), sampler(num_samples, replacement)
+                items = iter(stepped)
+                _consume(items, skip)
+                if list(items) != list(_random_items(sliced, skip)):
+                    return False
+                assert stepped.generator is not None and sliced.generator is not None
+                if not torch.equal(stepped.generator.get_state(), sliced.generator.get_state()):
+                    return False
+        return True
+    except Exception:  # any surprise means: step the sampler
+        return False
+
+
 def _skipped(sampler: Any, n: int) -> Iterator[Any]:
     """``iter(sampler)`` with its first ``n`` items consumed."""
-    if type(sampler) is RandomSampler:
+    if type(sampler) is RandomSampler and _slices_like_torch():
         return _random_items(sampler, n)
     items = iter(sampler)
     _consume(items, n)
