@@ -54,7 +54,7 @@ from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
 from ._receiver import ProcessRunner
 from ._rng import RngSource
 from ._runner import Runner
-from ._selfcheck import batch_digest
+from ._selfcheck import batch_digest, mismatch_message
 
 _SETTLE_TIMEOUT_S: Final = 5.0
 
@@ -342,14 +342,7 @@ class SnapIterator:
         progress.expected_digests = []
         worker = f"worker {slot}" if self.settings.num_workers > 0 else "the main process"
         warnings.warn(
-            f"resume self-check: batch {progress.yielded} of epoch {progress.epoch} ({worker}'s "
-            f"batch {expected[0]} of the epoch) differs from the one that was prefetched "
-            "when the checkpoint was taken, so the resumed stream is not the interrupted "
-            "one. Usual causes: the data changed on disk since, or randomness the "
-            "checkpoint does not capture (a generator object held by the dataset, a "
-            "global of another module, time- or os-seeded code, a C extension's own "
-            "RNG; see docs/how-resume-works.md). `snaploader verify` shows where; "
-            "check_resume=False turns this check off",
+            mismatch_message(progress.yielded, progress.epoch, worker, expected[0]),
             ResumeMismatchWarning,
             stacklevel=user_stacklevel(),
         )

@@ -31,7 +31,7 @@ from typing import Any, Final, Protocol
 import numpy as np
 import torch
 
-from ._rng import (
+from ._rng_raw import (
     PY_STATE_BYTES,
     check_mt_blob,
     legacy_numpy_access,

@@ -98,6 +98,8 @@ class Config:
     restore_batch_size: int
     restore_late_fraction: float
     restore_repeats: int
+    # restores also timed at these fractions of the epoch, between early and late
+    restore_fractions: tuple[float, ...] = (0.1, 0.5)
     table_workers: int = TABLE_WORKERS
     contenders: tuple[str, ...] = ("torch", "snaploader", "torchdata")
     seed: int = 0
@@ -319,8 +321,17 @@ def _child_pids(pid: int) -> list[int]:
         return [p.pid for p in psutil.Process(pid).children()]
 
 
+def open_fds() -> int | None:
+    """File descriptors open in this process (Linux: /proc/self/fd; else None)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing them
+    except OSError:
+        return None
+
+
 class MemorySampler(threading.Thread):
-    """Samples the summed RSS of this process and its children every ``interval_s``.
+    """Samples the summed RSS of this process and its children, and this process's
+    open file descriptors, every ``interval_s``.
 
     Its own CPU time is readable from the main thread (``cpu_s()``), so the main
     process's CPU time per batch can exclude it."""
@@ -330,6 +341,7 @@ class MemorySampler(threading.Thread):
         self.interval_s = interval_s
         self.pid = os.getpid()
         self.peak_bytes = 0
+        self.peak_fds: int | None = None
         self.samples = 0
         self._stop_event = threading.Event()
         self._procs: dict[int, psutil.Process] = {}
@@ -347,6 +359,9 @@ class MemorySampler(threading.Thread):
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 self._procs.pop(pid, None)
         self.peak_bytes = max(self.peak_bytes, total)
+        fds = open_fds()
+        if fds is not None:
+            self.peak_fds = max(self.peak_fds or 0, fds)
         self.samples += 1
 
     def run(self) -> None:
@@ -414,6 +429,7 @@ class Trial:
     peak_rss_bytes: int
     base_rss_bytes: int  # main process just before the loader was built
     end_pss_bytes: int | None  # main plus workers after the last batch (see pss_bytes)
+    peak_fds: int | None = None  # the main process's open file descriptors, sampled
 
     @property
     def throughput_bps(self) -> float:
@@ -475,6 +491,7 @@ def run_trial(
             cpu_last = time.process_time() - sampler.cpu_s()
         workers_last = children_cpu_s()
         end_pss = pss_bytes()
+        sampler.sample()  # the fds held with every prefetched batch in
     finally:
         close_iterator(iterator)
         peak = sampler.stop()
@@ -488,6 +505,7 @@ def run_trial(
         peak_rss_bytes=peak,
         base_rss_bytes=base_rss,
         end_pss_bytes=end_pss,
+        peak_fds=sampler.peak_fds,
     )
 
 
@@ -505,6 +523,7 @@ def summarize_trials(trials: Sequence[Trial]) -> dict[str, Any]:
         "peak_rss_mb": _median([t.peak_rss_bytes / _MB for t in trials]),
         "rss_growth_mb": _median([(t.peak_rss_bytes - t.base_rss_bytes) / _MB for t in trials]),
         "end_pss_mb": _median([t.end_pss_bytes / _MB for t in trials if t.end_pss_bytes is not None]),
+        "peak_fds": _median([float(t.peak_fds) for t in trials if t.peak_fds is not None]),
         "runs": [
             {
                 "throughput_bps": t.throughput_bps,
@@ -514,6 +533,7 @@ def summarize_trials(trials: Sequence[Trial]) -> dict[str, Any]:
                 "peak_rss_mb": t.peak_rss_bytes / _MB,
                 "base_rss_mb": t.base_rss_bytes / _MB,
                 "end_pss_mb": None if t.end_pss_bytes is None else t.end_pss_bytes / _MB,
+                "peak_fds": t.peak_fds,
                 "batches": t.batches,
             }
             for t in trials
@@ -711,6 +731,19 @@ def _same(a: Any, b: Any) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
 
 
+def restore_positions(total: int, late_fraction: float, fractions: Sequence[float]) -> dict[str, int]:
+    """Label -> the batch after which a checkpoint is taken: ``early`` (batch 1), one per
+    fraction strictly between (labelled like ``10%``), and ``late``, in that order."""
+    late = max(2, int(total * late_fraction))
+    positions = {"early": 1}
+    for fraction in sorted(fractions):
+        k = int(total * fraction)
+        if max(positions.values()) < k < late:
+            positions[f"{fraction:.0%}"] = k
+    positions["late"] = late
+    return positions
+
+
 def measure_restore(
     contenders: Sequence[Contender],
     items: int,
@@ -720,6 +753,7 @@ def measure_restore(
     workers: int = TABLE_WORKERS,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    fractions: Sequence[float] = (),
 ) -> dict[str, Any]:
     """Time from load_state_dict() to the first batch, resuming at batch 1 (early) and
     at ``late_fraction`` of a long shuffled epoch (late); and every contender's cold
@@ -729,24 +763,27 @@ def measure_restore(
     items draw from the workers' NumPy RNG, so this checks the RNG states too)."""
     dataset = AugmentedTinyItems(items)
     total = items // batch_size
-    positions = {"early": 1, "late": max(2, int(total * late_fraction))}
+    positions = restore_positions(total, late_fraction, fractions)
     stateful = [c for c in contenders if c.name != "torch"]
     saved: dict[tuple[str, str], tuple[bytes, Any]] = {}
     for contender in stateful:
-        for label, k in positions.items():
-            loader = build_loader(contender, dataset, batch_size, workers, seed)
-            iterator = iter(loader)
-            try:
-                for _ in range(k):
+        # one pass per contender: a checkpoint at each position, then the batch after it
+        loader = build_loader(contender, dataset, batch_size, workers, seed)
+        iterator = iter(loader)
+        done = 0
+        try:
+            for label, k in sorted(positions.items(), key=lambda item: item[1]):
+                while done < k:
                     next(iterator)
+                    done += 1
                 buffer = io.BytesIO()
                 torch.save(loader.state_dict(), buffer)
-                expected = next(iterator)
-            finally:
-                close_iterator(iterator)
-                del iterator, loader
-                gc.collect()
-            saved[(contender.name, label)] = (buffer.getvalue(), expected)
+                saved[(contender.name, label)] = (buffer.getvalue(), next(iterator))
+                done += 1
+        finally:
+            close_iterator(iterator)
+            del iterator, loader
+            gc.collect()
     log(f"  checkpoints taken at batches {positions} of {total}")
 
     cases: list[tuple[Contender, str]] = [(c, "cold") for c in contenders]
@@ -842,6 +879,12 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
                 f"{name} throughput vs torch (W={tw})",
                 row(name)["snaploader"]["ratio_to_torch"], ">=", limit, "x",
             ))
+    inline = workloads.get("tiny", {}).get("by_workers", {}).get("0", {})
+    if "snaploader" in inline:
+        targets.append(Target(
+            "tiny throughput vs torch (W=0)", inline["snaploader"]["ratio_to_torch"], ">=", 0.9, "x",
+            "issue 11",
+        ))
     snap = [(n, w["snapshot"]["snapshot_us"]) for n, w in workloads.items() if "snapshot" in w]
     if snap:
         worst_name, worst = max(snap, key=lambda item: item[1])
@@ -879,17 +922,30 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
         targets.append(Target("restore late / early", ours_r["late_over_early"], "<=", 1.5, "x"))
         if "torch" in restore:
             cold = restore["torch"]["cold_ms"]
-            worst = max(ours_r["early_ms"], ours_r["late_ms"])
+            labels = report["restore"]["positions"]
+            worst_label = max(labels, key=lambda label: ours_r[f"{label}_ms"])
+            worst = ours_r[f"{worst_label}_ms"]
             targets.append(Target(
                 "restore to first batch / torch cold start", worst / cold, "<=", 1.0, "x",
-                f"slower of early and late: {worst:.1f} ms; torch: {cold:.1f} ms",
+                f"slowest position: {worst_label}, {worst:.1f} ms; torch: {cold:.1f} ms",
             ))
-        exact = all(ours_r[f"{label}_batch_matches"] for label in ("early", "late"))
+        exact = all(ours_r[f"{label}_batch_matches"] for label in report["restore"]["positions"])
         targets.append(Target(
             "restored batch identical to the uninterrupted run", float(exact), ">=", 1.0, "",
             "correctness check: 1 = yes",
         ))
 
+    fds = [
+        (row(n)["snaploader"]["peak_fds"] - row(n)["torch"]["peak_fds"], n)
+        for n in workloads
+        if "snaploader" in row(n) and "torch" in row(n)
+    ]
+    fds = [(extra, n) for extra, n in fds if math.isfinite(extra)]  # NaN: no /proc
+    if fds:
+        extra, where = max(fds)
+        targets.append(Target(
+            f"main process peak fds over torch (W={tw})", extra, "<=", 0.0, "", f"worst workload: {where}",
+        ))
     for name in workloads:
         if "snaploader" in row(name) and "torch" in row(name):
             ours_w, theirs = row(name)["snaploader"], row(name)["torch"]
@@ -909,6 +965,12 @@ def _fmt(value: Any, spec_: str = ".1f") -> str:
     if value is None or (isinstance(value, float) and value != value):
         return "n/a"
     return format(value, spec_)
+
+
+def _position_name(label: str, k: int, total: int) -> str:
+    if label in ("early", "late"):
+        return f"{label} ({k / total:.0%})" if label == "late" else label
+    return label
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -934,8 +996,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         + " | ".join(f"{c} × torch" for c in others)
         + f" | first batch ms ({slash}) | main CPU µs/batch ({slash})"
         f" | worker CPU µs/batch ({slash}) | peak RSS MB ({slash}) | PSS MB ({slash})"
-        " | snapshot µs/batch |",
-        "|" + " --- |" * (8 + len(others)),
+        f" | main process peak fds ({slash}) | snapshot µs/batch |",
+        "|" + " --- |" * (9 + len(others)),
     ]
     for name, entry in report["workloads"].items():
         row = entry["by_workers"].get(tw, {})
@@ -949,8 +1011,20 @@ def render_markdown(report: dict[str, Any]) -> str:
             + " | " + " / ".join(_fmt(row[c]["worker_cpu_us_per_batch"], ".0f") for c in names)
             + " | " + " / ".join(_fmt(row[c]["peak_rss_mb"], ".0f") for c in names)
             + " | " + " / ".join(_fmt(row[c]["end_pss_mb"], ".0f") for c in names)
+            + " | " + " / ".join(_fmt(row[c].get("peak_fds"), ".0f") for c in names)
             + f" | {_fmt(entry.get('snapshot', {}).get('snapshot_us'))} |"
         )
+    inline = report["workloads"].get("tiny", {}).get("by_workers", {}).get("0", {})
+    if "torch" in inline and others:
+        lines += [
+            "",
+            "| num_workers=0, tiny items | torch batches/s | "
+            + " | ".join(f"{c} × torch" for c in others) + " |",
+            "|" + " --- |" * (2 + len(others)),
+            f"| batch 64, a Python int per item | {_fmt(inline['torch']['throughput_bps'])} | "
+            + " | ".join(f"{_fmt(inline[c]['ratio_to_torch'], '.2f')}×" for c in others if c in inline)
+            + " |",
+        ]
     if report.get("state_dict"):
         lines += [
             "",
@@ -965,24 +1039,28 @@ def render_markdown(report: dict[str, Any]) -> str:
     restore = report.get("restore")
     if restore:
         pos = restore["positions"]
+        total = restore["batches_per_epoch"]
         lines += [
             "",
             f"Restore: {restore['items']:,} items, batch {restore['batch_size']}, shuffle, "
-            f"W={restore['workers']}; early = batch {pos['early']}, late = batch "
-            f"{pos['late']} of {restore['batches_per_epoch']}; load_state_dict() to first batch.",
+            f"W={restore['workers']}; load_state_dict() to first batch, resuming after batch "
+            + ", ".join(f"{k} ({label})" for label, k in pos.items()) + f" of {total}.",
             "",
-            "| loader | cold start ms | early ms | late ms | late / early | restored batch exact |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| loader | cold start ms | "
+            + " | ".join(f"{_position_name(label, k, total)} ms" for label, k in pos.items())
+            + " | late / early | restored batch exact |",
+            "|" + " --- |" * (len(pos) + 4),
         ]
         for c, e in restore["loaders"].items():
             if "early_ms" in e:
-                exact = "yes" if e["early_batch_matches"] and e["late_batch_matches"] else "NO"
+                exact = "yes" if all(e[f"{label}_batch_matches"] for label in pos) else "NO"
                 lines.append(
-                    f"| {c} | {_fmt(e['cold_ms'])} | {_fmt(e['early_ms'])} | {_fmt(e['late_ms'])}"
-                    f" | {_fmt(e['late_over_early'], '.2f')} | {exact} |"
+                    f"| {c} | {_fmt(e['cold_ms'])} | "
+                    + " | ".join(_fmt(e[f"{label}_ms"]) for label in pos)
+                    + f" | {_fmt(e['late_over_early'], '.2f')} | {exact} |"
                 )
             else:
-                lines.append(f"| {c} | {_fmt(e['cold_ms'])} | — | — | — | — |")
+                lines.append(f"| {c} | {_fmt(e['cold_ms'])} |" + " — |" * (len(pos) + 2))
     if report.get("targets"):
         lines += ["", "| target | measured | limit | met |", "| --- | --- | --- | --- |"]
         for t in report["targets"]:
@@ -1004,7 +1082,7 @@ def render_text(report: dict[str, Any]) -> str:
     out.append(f"Per workload, num_workers={tw}, median of {report['config']['repeats']} repeats")
     header = (
         f"{'workload':9s} {'loader':11s} {'batches/s':>10s} {'x torch':>8s} {'1st ms':>8s}"
-        f" {'main us/b':>10s} {'wrkr us/b':>10s} {'RSS MB':>8s} {'PSS MB':>8s}"
+        f" {'main us/b':>10s} {'wrkr us/b':>10s} {'RSS MB':>8s} {'PSS MB':>8s} {'fds':>5s}"
     )
     out.append(header)
     out.append("-" * len(header))
@@ -1018,7 +1096,7 @@ def render_text(report: dict[str, Any]) -> str:
                 f"{name:9s} {c:11s} {_fmt(s['throughput_bps']):>10s} {_fmt(s['ratio_to_torch'], '.3f'):>8s}"
                 f" {_fmt(s['first_batch_ms']):>8s} {_fmt(s['cpu_us_per_batch'], '.0f'):>10s}"
                 f" {_fmt(s['worker_cpu_us_per_batch'], '.0f'):>10s} {_fmt(s['peak_rss_mb'], '.0f'):>8s}"
-                f" {_fmt(s['end_pss_mb'], '.0f'):>8s}"
+                f" {_fmt(s['end_pss_mb'], '.0f'):>8s} {_fmt(s.get('peak_fds'), '.0f'):>5s}"
             )
         snap = entry.get("snapshot")
         if snap:
@@ -1051,9 +1129,9 @@ def render_text(report: dict[str, Any]) -> str:
         for c, e in restore["loaders"].items():
             line = f"  {c:11s} cold {e['cold_ms']:.1f} ms"
             if "early_ms" in e:
-                line += (f"  early {e['early_ms']:.1f} ms  late {e['late_ms']:.1f} ms"
-                         f"  late/early {e['late_over_early']:.2f}"
-                         f"  exact {e['early_batch_matches'] and e['late_batch_matches']}")
+                line += "".join(f"  {label} {e[f'{label}_ms']:.1f} ms" for label in restore["positions"])
+                line += (f"  late/early {e['late_over_early']:.2f}"
+                         f"  exact {all(e[f'{label}_batch_matches'] for label in restore['positions'])}")
             out.append(line)
     if report.get("targets"):
         out.append("")
@@ -1243,7 +1321,7 @@ def _run(config: Config, out_dir: Path, log: Callable[[str], None]) -> dict[str,
     log("restore: load_state_dict() to first batch")
     report["restore"] = measure_restore(
         active, config.restore_items, config.restore_batch_size, config.restore_late_fraction,
-        config.restore_repeats, config.table_workers, config.seed, log,
+        config.restore_repeats, config.table_workers, config.seed, log, config.restore_fractions,
     )
     report["timing_s"]["restore"] = time.perf_counter() - t0
 

@@ -66,6 +66,7 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
                 assert _positive(summary["peak_rss_mb"])
                 assert summary["cpu_us_per_batch"] >= 0 and summary["worker_cpu_us_per_batch"] >= 0
                 assert len(summary["runs"]) == config.repeats
+                assert _positive(summary["peak_fds"])  # Linux: /proc/self/fd
         snapshot = entry["snapshot"]
         assert _positive(snapshot["snapshot_us"]) and _positive(snapshot["capture_rng_us"])
         assert snapshot["snapshot_pickled_bytes"] > snapshot["rng_bytes"] > 0
@@ -77,14 +78,21 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
 
     restore = saved["restore"]["loaders"]
     assert set(restore) == set(measured)
+    positions = saved["restore"]["positions"]
+    assert list(positions) == ["early", "10%", "50%", "late"]  # 125 batches: 1, 12, 62, 112
+    assert list(positions.values()) == sorted(set(positions.values()))
     for name in stateful:
         assert _positive(restore[name]["late_over_early"])
-        assert isinstance(restore[name]["early_batch_matches"], bool)
-    assert restore["snaploader"]["early_batch_matches"] and restore["snaploader"]["late_batch_matches"]
+        for label in positions:
+            assert _positive(restore[name][f"{label}_ms"])
+            assert isinstance(restore[name][f"{label}_batch_matches"], bool)
+    assert all(restore["snaploader"][f"{label}_batch_matches"] for label in positions)
     assert _positive(restore["torch"]["cold_ms"])
 
     names = {t["name"] for t in saved["targets"]}
     assert any("throughput" in n for n in names) and any("snapshot" in n for n in names)
+    assert "tiny throughput vs torch (W=0)" in names  # issue 11's row
+    assert any("peak fds" in n for n in names)
     assert all(isinstance(t["met"], bool) for t in saved["targets"])
 
     markdown = (tmp_path / "results.md").read_text()
@@ -94,6 +102,8 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
     for name in config.workloads:
         assert sum(line.startswith(f"| {name} |") for line in rows) == 1, name
     assert "| target |" in markdown
+    assert "| num_workers=0, tiny items |" in markdown
+    assert "| loader | cold start ms | early ms | 10% ms | 50% ms | late (90%) ms |" in markdown
     assert bench.render_text(report)  # the stdout table renders
 
     if report["plot"] is not None:

@@ -405,3 +405,45 @@ def test_stateful_sampler_cut_between_epochs() -> None:
     resumed = _sampler_loader("stateful", OTHER_SEED, 0)
     resumed.load_state_dict(state)
     assert_same_stream(list(resumed), expected[1])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_random_sampler_generator_after_restore_is_the_uninterrupted_runs(num_workers: int) -> None:
+    # A restore skips a RandomSampler's permutations by slicing them (_plan.py); the
+    # generator they are drawn from must still stand where the uninterrupted run has it
+    # after every batch, across the several permutations num_samples > n asks for. The
+    # uninterrupted run steps torch's own iterator (a subclass is not sliced).
+    n, batch_size = 23, 4
+
+    class Stepped(torch.utils.data.RandomSampler):
+        pass
+
+    def loader(seed: int, kind: type = torch.utils.data.RandomSampler) -> tuple[snaploader.DataLoader, torch.Generator]:
+        g = torch.Generator().manual_seed(seed)
+        sampler = kind(Augmented(n), num_samples=3 * n + 5, generator=g)
+        return snaploader.DataLoader(
+            Augmented(n), batch_size=batch_size, sampler=sampler, num_workers=num_workers, generator=g
+        ), g
+
+    original, g = loader(SEED, Stepped)
+    expected: list[list[Any]] = [[], []]
+    states: list[list[torch.Tensor]] = [[], []]
+    for epoch in range(2):
+        for batch in original:
+            expected[epoch].append(batch)
+            states[epoch].append(g.get_state())
+    for k in (1, 6, len(states[0]) - 1):
+        cut, _ = loader(SEED)
+        iterator = iter(cut)
+        take(iterator, k)
+        state = through_bytes(cut.state_dict())
+        del iterator
+        resumed, resumed_g = loader(OTHER_SEED)
+        resumed.load_state_dict(state)
+        got = []
+        for j, batch in enumerate(resumed, start=k):
+            got.append(batch)
+            assert torch.equal(resumed_g.get_state(), states[0][j]), f"cut at {k}, after batch {j}"
+        assert_same_stream(got, expected[0][k:], f"cut at {k}")
+        assert_same_stream(list(resumed), expected[1], f"cut at {k}, next epoch")
+        assert torch.equal(resumed_g.get_state(), states[1][-1])
