@@ -180,10 +180,17 @@ def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -
 
 class _ResultPickler(ForkingPickler):
     def reducer_override(self, obj: Any) -> Any:
+        # Only plain dense tensors: a nested tensor also reports the strided layout,
+        # and quantized, conjugate or negative-bit views are not their raw bytes; all of
+        # them (and subclasses) go through torch's own reductions, as in torch.
         if (
             type(obj) is torch.Tensor
             and obj.device.type == "cpu"
             and obj.layout == torch.strided
+            and not obj.is_nested
+            and not obj.is_quantized
+            and not obj.is_conj()
+            and not obj.is_neg()
             and not obj.requires_grad
             and obj.nbytes <= _BY_VALUE_MAX_BYTES
         ):
