@@ -21,18 +21,21 @@ from ._errors import (
     WorkerCrashedError,
     WorkerRespawnedWarning,
 )
+from ._dcp import DcpState, dcp_state
 from ._loader import DataLoader
 
 __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "DataLoader",
+    "DcpState",
     "ReplayRefusedError",
     "ResumeMismatchWarning",
     "StateNotPlainDataError",
     "WorkerCrashedError",
     "WorkerRespawnedWarning",
     "WorkerInfo",
+    "dcp_state",
     "get_worker_info",
 ]
 

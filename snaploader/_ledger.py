@@ -130,6 +130,10 @@ class EpochProgress:
     # (count, digest) each slot's next batch must match.
     received_digests: list[dict[int, str]] = field(default_factory=list, repr=False)
     expected_digests: list[tuple[int, str] | None] = field(default_factory=list, repr=False)
+    # The newest position with one batch fewer yielded than ``position``: the state of
+    # "one batch back", for a consumer that reads one batch ahead (Lightning's fetcher;
+    # _lookback.py).
+    previous: Position | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.received_digests = [{} for _ in self.position.workers]
@@ -175,6 +179,8 @@ class EpochProgress:
         workers = list(position.workers)
         workers[slot] = workers[slot].record(snapshot)
         count = position.yielded + 1 if yielded else position.yielded
+        if yielded:
+            self.previous = position
         self.position = Position(count, turn, tuple(workers), False, self._sampler_state(count))
         if yielded and self.plan is not None:
             self.plan.forget_before(count - self.plan_skip)

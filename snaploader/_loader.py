@@ -6,7 +6,7 @@ import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import torch
 import torch.utils.data as torch_data
@@ -23,9 +23,37 @@ from ._protocol import has_state_protocol
 from ._rng import RngSource
 
 _REPLAY_MODES: Final = ("warn", "allow", "refuse")
+# The type of the batches, as in torch: ``DataLoader[int]`` is valid in annotations.
+_T_co = TypeVar("_T_co", covariant=True)
 
 
-class DataLoader(torch_data.DataLoader):
+class _Default(int):
+    """An int default that can be told apart from the same value passed explicitly."""
+
+
+_SNAPSHOT_EVERY_DEFAULT: Final = _Default(1)
+
+
+def _resolve_snapshot_every(snapshot_every: int, snapshot_every_n_steps: int | None) -> int:
+    """``snapshot_every``, or torchdata's name for it, ``snapshot_every_n_steps``."""
+    if snapshot_every_n_steps is None:
+        return snapshot_every
+    if snapshot_every is not _SNAPSHOT_EVERY_DEFAULT:
+        raise ValueError(
+            f"snapshot_every={snapshot_every!r} and snapshot_every_n_steps="
+            f"{snapshot_every_n_steps!r} were both given; they are one option (the second is "
+            "torchdata's name for it): pass only one"
+        )
+    if (
+        not isinstance(snapshot_every_n_steps, int)
+        or isinstance(snapshot_every_n_steps, bool)
+        or snapshot_every_n_steps < 1
+    ):
+        raise ValueError(f"snapshot_every_n_steps should be an int >= 1, got {snapshot_every_n_steps!r}")
+    return snapshot_every_n_steps
+
+
+class DataLoader(torch_data.DataLoader[_T_co]):
     """A drop-in for :class:`torch.utils.data.DataLoader` whose ``state_dict()``, taken
     at any moment, resumes the batch stream bit for bit in a new process.
 
@@ -35,6 +63,7 @@ class DataLoader(torch_data.DataLoader):
     * ``snapshot_every`` (int, default 1): for an iterable dataset whose iterator (or
       the dataset) implements ``state_dict()``, call it only every N batches; resume
       then replays at most N-1 batches from the last such state, exactly.
+      ``snapshot_every_n_steps`` is accepted as torchdata's name for it (not both).
     * ``replay`` ("warn", "allow" or "refuse"; default "warn"): what to do when an exact
       resume of an iterable dataset without the state protocol must replay batches
       from the epoch start: warn once, replay silently, or raise
@@ -76,12 +105,13 @@ class DataLoader(torch_data.DataLoader):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        snapshot_every: int = 1,
+        snapshot_every: int = _SNAPSHOT_EVERY_DEFAULT,
         replay: str = "warn",
         max_worker_retries: int = 3,
         check_resume: bool = True,
         rng_objects: Callable[[], Any] | None = None,
         exclude_rngs: Iterable[str] | Callable[[str, Any], bool] = (),
+        snapshot_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -116,13 +146,14 @@ class DataLoader(torch_data.DataLoader):
                 UserWarning,
                 stacklevel=2,
             )
+        snapshot_every = _resolve_snapshot_every(snapshot_every, snapshot_every_n_steps)
         if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 1:
             raise ValueError(f"snapshot_every should be an int >= 1, got {snapshot_every!r}")
         if replay not in _REPLAY_MODES:
             raise ValueError(f"replay should be one of {_REPLAY_MODES}, got {replay!r}")
         if not isinstance(max_worker_retries, int) or isinstance(max_worker_retries, bool) or max_worker_retries < 0:
             raise ValueError(f"max_worker_retries should be an int >= 0, got {max_worker_retries!r}")
-        self.snapshot_every = snapshot_every
+        self.snapshot_every = int(snapshot_every)
         self.replay = replay
         self.max_worker_retries = max_worker_retries
         if not isinstance(check_resume, bool):

@@ -197,19 +197,25 @@ class _ResultPickler(ForkingPickler):
     shared = 0  # tensors sent through shared memory: each is an fd in the receiver
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.nbytes > _BY_VALUE_MAX_BYTES:
-            self.shared += 1
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
             return NotImplemented
+        # Only plain dense tensors: a nested tensor also reports the strided layout,
+        # and quantized, conjugate or negative-bit views are not their raw bytes; all of
+        # them (and subclasses) go through torch's own reductions, as in torch.
         if (
             type(obj) is torch.Tensor
-            and obj.device.type == "cpu"
             and obj.layout == torch.strided
+            and not obj.is_nested
+            and not obj.is_quantized
+            and not obj.is_conj()
+            and not obj.is_neg()
             and not obj.requires_grad
             and obj.nbytes <= _BY_VALUE_MAX_BYTES
         ):
             flat = obj.detach().contiguous().reshape(-1)
             raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
             return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
+        self.shared += 1
         return NotImplemented
 
 

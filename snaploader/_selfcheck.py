@@ -36,8 +36,17 @@ def batch_digest(batch: Any) -> str:
 
 def _feed(h: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            # A nested tensor has no single shape: its components, in order.
+            _feed(h, ("nested", *value.detach().unbind()))
+            return
         h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-        flat = value.detach().reshape(-1)
+        if value.layout != torch.strided:
+            h.update(str(value.layout).encode())  # sparse and others: no cheap values
+            return
+        if value.is_quantized:
+            value = value.int_repr()
+        flat = value.detach().resolve_conj().resolve_neg().reshape(-1)
         if flat.numel():
             edges = flat if flat.numel() <= 2 * _EDGE_ELEMENTS else torch.cat(
                 (flat[:_EDGE_ELEMENTS], flat[-_EDGE_ELEMENTS:])

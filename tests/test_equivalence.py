@@ -86,7 +86,7 @@ def _compare(make: Factory, epochs: int = 2, global_seed: int | None = None,
     return loader
 
 
-pytestmark = pytest.mark.usefixtures("keep_global_rngs")
+pytestmark = [pytestmark, pytest.mark.usefixtures("keep_global_rngs")]  # both marks, not the last one only
 
 
 _configs = st.fixed_dictionaries(
@@ -306,3 +306,31 @@ def test_num_workers_0_batches_stay_out_of_shared_memory() -> None:
     # while the dataset still sees itself as worker 0 of 1
     probe = next(iter(snaploader.DataLoader(WorkerInfoProbe(2), batch_size=2)))
     assert probe[:, 1:4].tolist() == [[0, 0, 1]] * 2
+
+
+# -- batches that are not plain tensors -------------------------------------------------
+
+
+def _nested_collate(items: list[int]) -> dict[str, torch.Tensor]:
+    # Ragged rows (row i has i % 3 + 1 values), as a model with variable lengths takes
+    # them; plus a complex conjugate view and a negative-bit view, which are not their
+    # raw bytes either.
+    rows = [torch.arange(i % 3 + 1, dtype=torch.float32) + i for i in items]
+    values = torch.tensor([complex(i, -i) for i in items])
+    return {"nested": torch.nested.nested_tensor(rows), "conj": values.conj(), "neg": values.conj().imag}
+
+
+def _as_plain(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {
+        "nested": list(batch["nested"].unbind()),
+        "conj": batch["conj"].resolve_conj(),
+        "neg": batch["neg"].resolve_neg(),
+    }
+
+
+def test_nested_tensor_batches_travel_as_torchs_do() -> None:
+    kwargs: dict[str, Any] = dict(batch_size=4, num_workers=2, collate_fn=_nested_collate)
+    got = list(snaploader.DataLoader(Range(10), **kwargs))
+    expected = list(torch.utils.data.DataLoader(Range(10), **kwargs))
+    assert all(batch["nested"].is_nested for batch in got)
+    assert_same_stream([_as_plain(b) for b in got], [_as_plain(b) for b in expected])

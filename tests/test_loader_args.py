@@ -255,3 +255,43 @@ def test_deleted_loader_with_persistent_workers_stops_them_without_gc() -> None:
         gc.enable()
         gc.collect()
     assert not alive
+
+
+# -- torchdata's names and torch's typing --------------------------------------------
+
+
+def _state_after(k: int, **options: Any) -> dict[str, Any]:
+    from ._iterable_datasets import IteratorStateStream
+
+    loader = snaploader.DataLoader(
+        IteratorStateStream(n=20), batch_size=2, generator=torch.Generator().manual_seed(0), **options
+    )
+    take(iter(loader), k)
+    return loader.state_dict()
+
+
+def test_snapshot_every_n_steps_is_torchdatas_name_for_snapshot_every() -> None:
+    # A torchdata user changes only the import: the option must act, not be swallowed.
+    torchdata_style = _state_after(2, snapshot_every_n_steps=3)
+    assert torchdata_style == _state_after(2, snapshot_every=3)
+    assert torchdata_style != _state_after(2)
+    assert snaploader.DataLoader(Range(4), snapshot_every_n_steps=3).snapshot_every == 3
+
+
+@pytest.mark.parametrize("both", [{"snapshot_every": 2}, {"snapshot_every": 1}])
+def test_snapshot_every_and_its_torchdata_name_together_are_refused(both: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="were both given; they are one option.*pass only one"):
+        snaploader.DataLoader(Range(4), snapshot_every_n_steps=2, **both)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True, "2"])
+def test_bad_snapshot_every_n_steps_is_named(value: Any) -> None:
+    with pytest.raises(ValueError, match=f"snapshot_every_n_steps should be an int >= 1, got {value!r}"):
+        snaploader.DataLoader(Range(4), snapshot_every_n_steps=value)
+
+
+def test_the_loader_is_generic_like_torchs() -> None:
+    alias = snaploader.DataLoader[int]
+    loader = alias(Range(4), batch_size=2)
+    assert isinstance(loader, snaploader.DataLoader) and isinstance(loader, torch.utils.data.DataLoader)
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]

@@ -253,6 +253,7 @@ def test_the_walk_skips_big_scalar_lists_and_stops_at_its_bound() -> None:
     assert not found and "stopped looking for generator objects" in problems[0]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("seed", [1234, None])
 def test_albumentations_compose_resumes_exactly(seed: int | None) -> None:
     pytest.importorskip("albumentations", reason="albumentations is not installed (pip install -e '.[integrations]')")

@@ -100,7 +100,7 @@ def _check(ref: Reference, cut: Cut, got: dict[str, Any]) -> None:
     assert got["global_untouched"], where
 
 
-pytestmark = pytest.mark.usefixtures("keep_global_rngs")
+pytestmark = [pytestmark, pytest.mark.usefixtures("keep_global_rngs")]  # both marks, not the last one only
 
 
 def _config(**kwargs: Any) -> dict[str, Any]:
