@@ -100,6 +100,18 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+def torch_wording(pid: int, exitcode: int | None) -> str:
+    """How torch's DataLoader reports a dead worker, word for word (scripts and restart
+    wrappers grep for it): the head of snaploader's own message."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.strsignal(-exitcode) or f"signal {-exitcode}"
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"DataLoader worker (pid {pid}) is killed by signal: {name}."
+    return f"DataLoader worker (pid(s) {pid}) exited unexpectedly."
+
+
 _LIKELY_CAUSE: Final = {
     "SIGKILL": "often the out-of-memory killer",
     "SIGSEGV": "a native crash, often in a decoder or C extension",

@@ -39,7 +39,7 @@ import cloudpickle
 
 from ._errors import WorkerCrashedError, WorkerRespawnedWarning, short_indices, user_stacklevel
 from ._ledger import EpochProgress, resume_after
-from ._pool import Pool, WorkerProcess, describe_exit, likely_cause
+from ._pool import Pool, WorkerProcess, describe_exit, likely_cause, torch_wording
 from ._protocol import Kind, Result, Resume, Task, UnreadablePayload, WorkerError, WorkerSetup, fds_of, loads_result
 from ._runner import Runner
 from ._worker import worker_main
@@ -270,6 +270,7 @@ class ProcessRunner(Runner):
     ) -> None:
         retries = self.max_retries
         error = WorkerCrashedError(
+            f"{torch_wording(worker.pid, worker.process.exitcode)} "
             f"worker {slot} (pid {worker.pid}) {how} while {what}{cause}, {times} times in "
             f"a row; gave up after {retries} respawn(s) (max_worker_retries={retries}). "
             + ("The batch likely holds a sample that crashes the dataset code; "

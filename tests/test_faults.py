@@ -53,6 +53,12 @@ _WHAT = {
     fds.KILL: "was killed by SIGKILL",
     fds.EXIT: f"exited with code {fds.EXIT_CODE}",
 }
+# How torch's DataLoader words the same death: the message starts with it.
+_TORCH_HEAD = {
+    fds.SEGV: "is killed by signal: Segmentation fault.",
+    fds.KILL: "is killed by signal: Killed.",
+    fds.EXIT: "exited unexpectedly.",
+}
 _CAUSE = {
     fds.SEGV: "native crash",
     fds.KILL: "out-of-memory killer",
@@ -221,6 +227,7 @@ def test_poison_sample_ends_in_error_and_resumes_at_failed_batch(
             for batch in it:
                 got.append(batch)
     message = str(excinfo.value)
+    assert message.startswith("DataLoader worker (pid") and _TORCH_HEAD[fault] in message.split("\n")[0]
     # Every batch before the failed one was yielded, and nothing after it.
     assert_same_batches(got, want[:failed], "before the error")
     assert len(respawn_warnings(caught)) == retries
