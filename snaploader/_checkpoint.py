@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import torch
@@ -322,8 +322,9 @@ class LoaderFacts:
 
     iterable: bool
     slots: int  # worker slots of the loader the checkpoint was taken from
-    dataset_has_protocol: bool
+    dataset_has_protocol: bool  # and the loader uses it (state_protocol)
     batches_per_epoch: int | None  # map-style, when the sampler has a length
+    state_protocol: bool = True  # the loader's option of that name
 
 
 def validate(state: Any) -> None:
@@ -486,6 +487,14 @@ def _check_snapshot(where: str, snapshot: dict[str, Any], facts: LoaderFacts) ->
         raise _fail(f"{where}['data_owner']", f"is {owner!r}; expected one of {_OWNERS}")
     if snapshot["produced"] < 0:
         raise _fail(f"{where}['produced']", f"is {snapshot['produced']}; expected >= 0")
+    if owner is not None and not facts.state_protocol:
+        raise _fail(
+            f"{where}['data_owner']",
+            f"is {owner!r}: the checkpoint holds the dataset's own state, and this loader "
+            "was built with state_protocol=False, which would resume without it. Build "
+            "the loader with state_protocol=True to resume this checkpoint, or start "
+            "the epoch afresh",
+        )
     if not facts.iterable:
         expected_owner = "dataset" if facts.dataset_has_protocol else None
         if owner != expected_owner or not snapshot["complete"] or snapshot["exhausted"]:
@@ -499,7 +508,12 @@ def _check_snapshot(where: str, snapshot: dict[str, Any], facts: LoaderFacts) ->
         if owner == "dataset" and not facts.dataset_has_protocol:
             raise _fail(f"{where}['data_owner']", "is 'dataset', but this dataset has no state_dict()/load_state_dict()")
         if owner is None and facts.dataset_has_protocol:
-            raise _fail(f"{where}['data_owner']", "is None, but this dataset has state_dict()/load_state_dict()")
+            raise _fail(
+                f"{where}['data_owner']",
+                "is None, but this dataset has state_dict()/load_state_dict(); a checkpoint "
+                "taken with state_protocol=False resumes only in a loader built with "
+                "state_protocol=False",
+            )
         if snapshot["complete"] and owner is None:
             raise _fail(f"{where}['complete']", "is True for a snapshot that holds no dataset or iterator state")
     try:
@@ -559,7 +573,7 @@ def read_state(
     check_fingerprint(state, mine, allowed)
     saved_slots = max(1, state["fingerprint"]["num_workers"]) if isinstance(state["fingerprint"]["num_workers"], int) else facts.slots
     same_slots = saved_slots == facts.slots
-    _check_consistent(state, LoaderFacts(facts.iterable, saved_slots, facts.dataset_has_protocol, facts.batches_per_epoch))
+    _check_consistent(state, replace(facts, slots=saved_slots))
     ledgers = [_ledger_from_plain(plain, f"loader state['workers'][{w}]") for w, plain in enumerate(state["workers"])]
     if not same_slots:
         ledgers = []  # num_workers differs (allowed): workers start freshly seeded

@@ -83,6 +83,7 @@ class LoaderSettings:
     replay: str
     max_worker_retries: int
     check_resume: bool = True
+    state_protocol: bool = True
 
     @property
     def slots(self) -> int:
@@ -188,7 +189,12 @@ class SnapIterator:
         if not any(replays):
             return
         mode = self.settings.replay
-        message = replay_message(self.settings.dataset, replays, refused=mode == "refuse")
+        message = replay_message(
+            self.settings.dataset,
+            replays,
+            refused=mode == "refuse",
+            state_protocol=self.settings.state_protocol,
+        )
         if mode == "refuse":
             raise ReplayRefusedError(message)
         if mode == "warn":
@@ -208,6 +214,7 @@ class SnapIterator:
             base_seed=base_seed,
             state_every=settings.snapshot_every,
             digests=settings.check_resume and settings.num_workers > 0,
+            state_protocol=settings.state_protocol,
         )
         if settings.num_workers == 0:
             return InlineRunner(setup)

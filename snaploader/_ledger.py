@@ -217,19 +217,33 @@ class EpochStart:
         )
 
 
-def replay_message(dataset: Any, replays: list[int], *, refused: bool) -> str:
+def replay_message(
+    dataset: Any, replays: list[int], *, refused: bool, state_protocol: bool = True
+) -> str:
     """Why a resume of ``dataset`` replays ``replays[w]`` batches in worker ``w``, and
-    how to avoid it; for the warning (``refused=False``) or ReplayRefusedError."""
+    how to avoid it; for the warning (``refused=False``) or ReplayRefusedError.
+    ``state_protocol``: the loader's option of that name."""
     name = type(dataset).__qualname__
     per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
+    if state_protocol:
+        why = (
+            f"because neither {name} nor the iterator iter(dataset) returns has "
+            "state_dict()/load_state_dict()"
+        )
+        fix = (
+            "implement state_dict()/load_state_dict() returning plain data on the "
+            "iterator or the dataset to resume without reading skipped data "
+            "(docs/iterable.md)"
+        )
+    else:
+        why = "because the loader was built with state_protocol=False"
+        fix = (
+            "build the loader with state_protocol=True (the default) if the dataset's "
+            "own state_dict() resumes it exactly"
+        )
     what = (
         f"an exact resume of {name} replays {sum(replays)} batch(es) from the epoch "
-        f"start, reading and discarding them ({per_worker}), because neither {name} nor "
-        "the iterator iter(dataset) returns has state_dict()/load_state_dict()"
-    )
-    fix = (
-        "implement state_dict()/load_state_dict() returning plain data on the iterator "
-        "or the dataset to resume without reading skipped data (docs/iterable.md)"
+        f"start, reading and discarding them ({per_worker}), {why}"
     )
     if refused:
         return (

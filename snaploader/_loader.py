@@ -41,6 +41,11 @@ class DataLoader(torch_data.DataLoader):
       small digest with each batch; a checkpoint keeps those of the batches that were
       prefetched but not yet yielded, and after a restore the regenerated batches are
       compared with them (:class:`~snaploader.ResumeMismatchWarning` on a difference).
+    * ``state_protocol`` (bool, default True): use the dataset's (or its iterator's)
+      own ``state_dict()``/``load_state_dict()`` in checkpoints. False ignores them:
+      an iterable is then resumed by replaying from the epoch start, exactly, which
+      is what a dataset whose protocol loses data (a shuffle buffer it does not save)
+      needs; a map-style dataset's own state is then not restored.
 
     Differences from torch are listed in ``docs/differences.md``.
     """
@@ -69,6 +74,7 @@ class DataLoader(torch_data.DataLoader):
         replay: str = "warn",
         max_worker_retries: int = 3,
         check_resume: bool = True,
+        state_protocol: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -115,6 +121,9 @@ class DataLoader(torch_data.DataLoader):
         if not isinstance(check_resume, bool):
             raise ValueError(f"check_resume should be True or False, got {check_resume!r}")
         self.check_resume = check_resume
+        if not isinstance(state_protocol, bool):
+            raise ValueError(f"state_protocol should be True or False, got {state_protocol!r}")
+        self.state_protocol = state_protocol
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -148,6 +157,7 @@ class DataLoader(torch_data.DataLoader):
             replay=self.replay,
             max_worker_retries=self.max_worker_retries,
             check_resume=self.check_resume,
+            state_protocol=self.state_protocol,
         )
 
     def _warn_pin_memory(self) -> None:
@@ -217,7 +227,8 @@ class DataLoader(torch_data.DataLoader):
         return LoaderFacts(
             iterable=self._iterable,
             slots=max(1, self.num_workers),
-            dataset_has_protocol=has_state_protocol(self.dataset),
+            dataset_has_protocol=self.state_protocol and has_state_protocol(self.dataset),
+            state_protocol=self.state_protocol,
             batches_per_epoch=batches,
         )
 
@@ -251,7 +262,11 @@ class DataLoader(torch_data.DataLoader):
             # Refuse now, while the caller can still act, not at the next iter().
             replays = [replay_without_protocol(ledger) for ledger in restore.ledgers]
             if any(replays):
-                raise ReplayRefusedError(replay_message(self.dataset, replays, refused=True))
+                raise ReplayRefusedError(
+                    replay_message(
+                        self.dataset, replays, refused=True, state_protocol=self.state_protocol
+                    )
+                )
         if self._persistent_iter is not None:
             self._persistent_iter.close()
             self._persistent_iter = None

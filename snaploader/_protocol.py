@@ -57,6 +57,7 @@ class WorkerSetup:
     base_seed: int
     state_every: int
     digests: bool = False  # send each batch's digest (the resume self-check)
+    state_protocol: bool = True  # False: ignore the dataset's and iterator's state_dict()
 
 
 @dataclass(frozen=True, slots=True)
