@@ -23,10 +23,15 @@ Layout (version 2)::
     sampler_state  {state, done}: the stateful sampler's state before the next batch
                    (done: it has nothing left this epoch), or None
     sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
+    skip           batches still to skip before the next one is yielded (a skip asked
+                   with ``load_state_dict(skip=...)`` and not yet carried out; it
+                   applies to the next epoch when ``ended``); absent in older files: 0
     next_batches   per worker, {produced, digest} of its next batch when it had already
                    arrived (the resume self-check, _selfcheck.py), or None
     workers        one ledger per logical worker (see _ledger.py):
-                   {epoch_start, yielded, yielded_complete, exhausted}, each snapshot
+                   {epoch_start, yielded, yielded_complete, exhausted, skipped}
+                   (skipped: map-style batches of the worker's share a skip passed
+                   over since its last snapshot; absent in older files: 0), each snapshot
                    {rng (base64), produced, data, data_owner, complete, exhausted};
                    yielded_complete is "same as yielded" when it is; epoch_start is
                    None unless resuming needs it (nothing yielded yet, or a replay)
@@ -149,6 +154,11 @@ def _sha256(value: Any) -> str:
     return hashlib.sha256(_canonical(value)).hexdigest()
 
 
+def ledger_digest(plain: Any) -> str:
+    """The digest of one ledger's plain form, as :func:`digest_of` takes them."""
+    return _sha256(plain)
+
+
 def digest_of(state: dict[str, Any], ledger_digests: list[str]) -> str:
     """The integrity digest: SHA-256 over the canonical JSON of ``state`` without its
     ``digest``, each ledger replaced by the SHA-256 of its own canonical JSON (so that a
@@ -190,6 +200,7 @@ def _ledger_to_plain(ledger: WorkerLedger, where: str) -> tuple[dict[str, Any], 
         "yielded": plain(at, "yielded"),
         "yielded_complete": _SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete"),
         "exhausted": ledger.exhausted,
+        "skipped": ledger.skipped,
     }
     entry = (out, _sha256(out))
     ledger.cache.append(entry)
@@ -222,6 +233,7 @@ def build_state(
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
             base_seed=None, drew_base_seed=True, sampler_state=None, sampler_epoch=None,
+            skip=0,
         )
     else:
         position: Position = progress.position
@@ -239,6 +251,7 @@ def build_state(
             drew_base_seed=progress.drew_base_seed,
             sampler_state=sampler_state,
             sampler_epoch=progress.sampler_epoch,
+            skip=position.skip,
         )
         ledgers = [
             _ledger_to_plain(ledger, f"worker {w}'s state") for w, ledger in enumerate(position.workers)
@@ -353,7 +366,7 @@ def validate(state: Any) -> None:
                 if "data" not in ledger[key]:
                     raise _fail(f"{where}[{key!r}]", "has no 'data' key")
     try:
-        expected = digest_of(state, [_sha256(ledger) for ledger in workers])
+        expected = digest_of(state, [ledger_digest(ledger) for ledger in workers])
     except (TypeError, ValueError) as exc:
         raise _fail("loader state", f"holds something that is not plain data ({exc})") from None
     if state["digest"] != expected:
@@ -367,6 +380,9 @@ def validate(state: Any) -> None:
             raise _fail("loader state['fingerprint']", f"has no {key!r} key")
     if state["rng_kind"] not in ("generator", "global"):
         raise _fail("loader state['rng_kind']", f"should be 'generator' or 'global', got {state['rng_kind']!r}")
+    _check_count("loader state['skip']", state.get("skip", 0))
+    for w, ledger in enumerate(workers):
+        _check_count(f"loader state['workers'][{w}]['skipped']", ledger.get("skipped", 0))
     if state["epoch"] < -1 or state["yielded"] < 0:
         raise _fail("loader state", f"has epoch {state['epoch']} and yielded {state['yielded']}; epoch must be >= -1 and yielded >= 0")
     sampler_state = state["sampler_state"]
@@ -411,6 +427,12 @@ def validate(state: Any) -> None:
         raise _fail("loader state['sampler_epoch']", f"is {state['sampler_epoch']}; expected >= 0")
 
 
+def _check_count(where: str, value: Any) -> None:
+    # The skip fields came after version 2 was first written: absent means 0.
+    if type(value) is not int or value < 0:
+        raise _fail(where, f"should be an int >= 0, got {type(value).__name__} ({value!r:.60})")
+
+
 def _check_generator_state(where: str, text: str) -> None:
     try:
         RngSource.check_state(_plain.unb64(text, where))
@@ -440,6 +462,13 @@ def _check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
                 f"is {yielded} for an epoch of {facts.batches_per_epoch} batches"
                 f"{' that ended' if state['ended'] else ''}",
             )
+        skip_from = 0 if state["ended"] else yielded
+        if skip_from + state.get("skip", 0) > facts.batches_per_epoch:
+            raise _fail(
+                "loader state['skip']",
+                f"is {state.get('skip', 0)}, past the end of an epoch of "
+                f"{facts.batches_per_epoch} batches from batch {skip_from}",
+            )
     produced = []
     for w, ledger in enumerate(workers):
         where = f"loader state['workers'][{w}]"
@@ -448,7 +477,10 @@ def _check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
             if isinstance(snapshot, dict):
                 _check_snapshot(f"{where}[{key!r}]", snapshot, facts)
         at = ledger["yielded"]
-        count = 0 if at is None else at["produced"]
+        skipped = ledger.get("skipped", 0)
+        if skipped and facts.iterable:
+            raise _fail(f"{where}['skipped']", "is set for an iterable dataset, whose skipped batches are produced")
+        count = (0 if at is None else at["produced"]) + skipped
         produced.append(count)
         if ledger["exhausted"] != (at is not None and at["exhausted"]):
             raise _fail(f"{where}['exhausted']", "disagrees with its last snapshot's 'exhausted'")
@@ -461,7 +493,7 @@ def _check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
                 f"{where}['yielded_complete']",
                 f"should be {_SAME_AS_YIELDED!r} exactly when the last yielded snapshot is complete",
             )
-        if isinstance(complete, dict) and (not complete["complete"] or complete["produced"] >= count):
+        if isinstance(complete, dict) and (not complete["complete"] or complete["produced"] >= count - skipped):
             raise _fail(f"{where}['yielded_complete']", "should be a complete snapshot older than the last yielded one")
         if not facts.iterable:
             # Map-style batch k comes from worker k mod W: the counts are fixed.
@@ -548,6 +580,7 @@ def _ledger_from_plain(plain: dict[str, Any], where: str) -> WorkerLedger:
         yielded=yielded,
         yielded_complete=yielded if plain["yielded_complete"] == _SAME_AS_YIELDED else snap("yielded_complete"),
         exhausted=plain["exhausted"],
+        skipped=plain.get("skipped", 0),
     )
 
 
@@ -590,9 +623,10 @@ def read_state(
                 base_seed=state["base_seed"],
                 draw_base_seed=False,
                 workers=[ledger.next_epoch() for ledger in ledgers],
+                skip=state.get("skip", 0),
             )
         else:
-            start = EpochStart(epoch=state["epoch"] + 1)
+            start = EpochStart(epoch=state["epoch"] + 1, skip=state.get("skip", 0))
         rng_next = None if state["rng_next"] is None else _plain.unb64(state["rng_next"], "rng_next")
         return Restore(start, ledgers, sampler_state, rng_next)
     expected = [None if e is None else (e["produced"], e["digest"]) for e in state["next_batches"]]
@@ -607,5 +641,6 @@ def read_state(
         workers=ledgers or None,
         sampler_state=sampler_state,
         sampler_epoch=state["sampler_epoch"],
+        skip=state.get("skip", 0),
     )
     return Restore(start, ledgers, None, None)

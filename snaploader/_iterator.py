@@ -47,6 +47,7 @@ from ._ledger import (
     replay_message,
     replay_without_protocol,
     resume_after,
+    skip_map_batches,
 )
 from ._plan import IndexPlan, epoch_aware_part
 from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
@@ -129,6 +130,16 @@ class SnapIterator:
         source = RngSource(settings.generator)
         restoring = start.restore_rng is not None
         rng_start = start.restore_rng if start.restore_rng is not None else source.get_state()
+        workers = list(start.workers or [WorkerLedger() for _ in range(settings.slots)])
+        yielded, skip, expected = start.yielded, start.skip, start.expected_digests
+        if skip and not settings.iterable:
+            # Map-style: the plan skips the indices and each worker keeps its snapshot,
+            # so no skipped batch is fetched and none of its RNG draws is made. An
+            # iterable's skipped batches are produced and discarded (_skip_batches).
+            shifted = skip_map_batches(workers, yielded, skip)
+            if expected is not None:
+                expected = [None if a is not b else e for a, b, e in zip(workers, shifted, expected)]
+            workers, yielded, skip = shifted, yielded + skip, 0
         replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
         with replaying:
             base_seed = start.base_seed
@@ -145,13 +156,9 @@ class SnapIterator:
                 rng_start=rng_start,
                 base_seed=base_seed,
                 drew_base_seed=start.draw_base_seed,
-                position=Position(
-                    yielded=start.yielded,
-                    turn=start.turn,
-                    workers=tuple(start.workers or [WorkerLedger() for _ in range(settings.slots)]),
-                ),
+                position=Position(yielded=yielded, turn=start.turn, workers=tuple(workers), skip=skip),
                 sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
-                plan_skip=start.yielded,
+                plan_skip=yielded,
             )
             self._warn_or_refuse_replay()
             self._ready_workers(base_seed)
@@ -159,12 +166,14 @@ class SnapIterator:
             # do not each inherit a copy of the epoch's index list.
             self.plan = None
             if not settings.iterable:
-                self.plan = IndexPlan(settings.index_sampler, start.yielded, start.sampler_state)
+                self.plan = IndexPlan(
+                    settings.index_sampler, yielded, start.sampler_state, state_at=start.yielded
+                )
         self.progress.attach_plan(self.plan)
-        if start.expected_digests is not None and settings.check_resume:
-            self.progress.expected_digests = list(start.expected_digests)
+        if expected is not None and settings.check_resume:
+            self.progress.expected_digests = list(expected)
         self.plan_done = self.plan is None
-        self.dispatched = start.yielded
+        self.dispatched = yielded
         self._dispatch()
 
     def _ready_workers(self, base_seed: int) -> None:
@@ -268,6 +277,8 @@ class SnapIterator:
         if self.closed or self.progress.ended:
             raise StopIteration
         try:
+            if self.progress.position.skip:
+                self._skip_batches()
             found = self._next_result()
         except WorkerCrashedError:
             self.close()
@@ -320,6 +331,30 @@ class SnapIterator:
                 continue
             return slot, task, result
         return None
+
+    def _skip_batches(self) -> None:
+        """Take and discard the batches an iterable's pending skip passes over: each
+        worker's iterator reads its own, in the fixed order, so the stream goes on
+        exactly as the uninterrupted run's. A user exception in a skipped batch is
+        skipped with it. The epoch's end stops the skip (docs/api.md)."""
+        progress = self.progress
+        asked = progress.position.skip
+        while progress.position.skip:
+            found = self._next_result()
+            if found is None:
+                warnings.warn(
+                    f"the skip asked for {asked} batch(es) of epoch {progress.epoch}, but "
+                    f"the epoch ended after {asked - progress.position.skip}; the skip does "
+                    "not carry over into the next epoch",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
+                return
+            slot, _, result = found
+            if progress.expected_digests and result.kind is Kind.BATCH:
+                self._self_check(slot, result)
+            progress.advance(slot, result.snapshot, turn=(slot + 1) % self.settings.slots, yielded=True)
+            self._dispatch()
 
     def _self_check(self, slot: int, result: Result) -> None:
         """Compare a restored slot's first batch with the digest the checkpoint kept

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, Final
 
 import torch
@@ -17,6 +18,7 @@ from ._ledger import EpochProgress, EpochStart, replay_message, replay_without_p
 from ._plan import stateful_part
 from ._protocol import has_state_protocol
 from ._rng import RngSource
+from ._skip import skip_count, state_with_skip
 
 _REPLAY_MODES: Final = ("warn", "allow", "refuse")
 
@@ -241,9 +243,20 @@ class DataLoader(torch_data.DataLoader):
         return build_state(self._fingerprint(), self._progress, RngSource(self.generator))
 
     def load_state_dict(
-        self, state: dict[str, Any], *, allow_mismatch: Iterable[str] = ()
+        self,
+        state: dict[str, Any],
+        *,
+        allow_mismatch: Iterable[str] = (),
+        skip: int = 0,
+        skip_to: int | None = None,
     ) -> None:
         """Make the next ``iter(loader)`` continue where ``state`` was taken.
+
+        ``skip=N`` passes over the next N batches, ``skip_to=k`` over those before batch
+        k of the epoch (a loss-spike rollback): a map-style dataset reads none of them,
+        an iterable's workers read and discard them; ``state_dict()`` records the skip.
+        See docs/api.md, "Skipping batches". ``ValueError`` for a skip that goes
+        backwards or past the end of an epoch of known length.
 
         Raises :class:`~snaploader.CheckpointFormatError` for a malformed ``state`` and
         :class:`~snaploader.CheckpointMismatchError` when it was taken from a loader
@@ -251,13 +264,15 @@ class DataLoader(torch_data.DataLoader):
         :class:`~snaploader.ReplayRefusedError` when the loader was built with
         ``replay="refuse"`` and resuming needs a replay from the epoch start.
         """
+        facts = self._facts()
         restore = read_state(
-            state,
-            self._fingerprint(),
-            frozenset(allow_mismatch),
-            self._facts(),
-            self.persistent_workers,
+            state, self._fingerprint(), frozenset(allow_mismatch), facts, self.persistent_workers
         )
+        extra = skip_count(restore.start, skip, skip_to, facts.batches_per_epoch)
+        if extra:
+            total = restore.start.skip + extra
+            restore = replace(restore, start=replace(restore.start, skip=total))
+            state = state_with_skip(state, total)
         if self.replay == "refuse" and restore.start.restore_rng is not None:
             # Refuse now, while the caller can still act, not at the next iter().
             replays = [replay_without_protocol(ledger) for ledger in restore.ledgers]
