@@ -35,6 +35,7 @@ from ._errors import (
     ReplayRefusedError,
     ResumeMismatchWarning,
     WorkerCrashedError,
+    length_message,
     short_indices,
     user_stacklevel,
 )
@@ -54,7 +55,7 @@ from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
 from ._receiver import ProcessRunner
 from ._rng import RngSource
 from ._runner import Runner
-from ._selfcheck import batch_digest
+from ._selfcheck import batch_digest, mismatch_message
 
 _SETTLE_TIMEOUT_S: Final = 5.0
 
@@ -293,6 +294,10 @@ class SnapIterator:
         turn = (slot + 1) % self.settings.slots if self.settings.iterable else progress.position.turn
         progress.advance(slot, result.snapshot, turn=turn, yielded=True)
         self._dispatch()
+        if self.settings.check_resume and self.runner is not None:
+            # Results a worker finished while the training step ran are taken now, so
+            # that the next checkpoint holds their digests (the resume self-check).
+            self.runner.poll()
         if result.kind is Kind.ERROR:
             if not isinstance(result.payload, WorkerError):
                 raise TypeError(f"an error result carried a {type(result.payload).__name__}")
@@ -333,10 +338,8 @@ class SnapIterator:
         return None
 
     def _skip_batches(self) -> None:
-        """Take and discard the batches an iterable's pending skip passes over: each
-        worker's iterator reads its own, in the fixed order, so the stream goes on
-        exactly as the uninterrupted run's. A user exception in a skipped batch is
-        skipped with it. The epoch's end stops the skip (docs/api.md)."""
+        """Take and discard the batches an iterable's pending skip passes over (each
+        worker reads its own, errors included); the epoch's end stops it (_skip.py)."""
         progress = self.progress
         asked = progress.position.skip
         while progress.position.skip:
@@ -369,14 +372,7 @@ class SnapIterator:
         progress.expected_digests = []
         worker = f"worker {slot}" if self.settings.num_workers > 0 else "the main process"
         warnings.warn(
-            f"resume self-check: batch {progress.yielded} of epoch {progress.epoch} ({worker}'s "
-            f"batch {expected[0]} of the epoch) differs from the one that was prefetched "
-            "when the checkpoint was taken, so the resumed stream is not the interrupted "
-            "one. Usual causes: the data changed on disk since, or randomness the "
-            "checkpoint does not capture (a generator object held by the dataset, a "
-            "global of another module, time- or os-seeded code, a C extension's own "
-            "RNG; see docs/how-resume-works.md). `snaploader verify` shows where; "
-            "check_resume=False turns this check off",
+            mismatch_message(progress.yielded, progress.epoch, worker, expected[0]),
             ResumeMismatchWarning,
             stacklevel=user_stacklevel(),
         )
@@ -388,16 +384,7 @@ class SnapIterator:
         yielded = self.progress.yielded
         if reported is None or yielded <= reported:
             return
-        message = (
-            f"Length of IterableDataset {self.settings.dataset} was reported to be {reported}"
-            f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
-        )
-        if self.settings.num_workers > 0:
-            message += (
-                "For multiprocessing data-loading, this could be caused by not properly configuring the "
-                "IterableDataset replica at each worker. Please see "
-                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
-            )
+        message = length_message(self.settings.dataset, reported, yielded, self.settings.num_workers)
         warnings.warn(message, stacklevel=user_stacklevel())
 
     def _where(self, slot: int, task: Task) -> str:

@@ -99,6 +99,9 @@ class ProcessRunner(Runner):
                 )
         return state.received.popleft()
 
+    def poll(self) -> None:
+        self._pump(0.0)
+
     def settle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while any(state.outstanding for state in self.slots):

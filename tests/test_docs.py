@@ -19,6 +19,9 @@ The conventions, for whoever writes a doc:
 - A block that is intentionally not a whole program (a method shown out of its class, a
   loop with elided parts) is marked ```` ```python fragment ````: it is only compiled.
   An unmarked block that fails fails this test.
+- A block that needs an optional package (the ``integrations`` extra) is marked
+  ```` ```python requires=PACKAGE ````: it runs where ``PACKAGE`` imports, and is
+  reported as not run (and only compiled) where it does not.
 - ```` ```bash ```` blocks install packages, build virtual environments or start long
   runs (the demo, the test suite, the benchmark, the stress scripts); running them here
   would download or take minutes, so such a block is skipped, and the reason is
@@ -28,6 +31,7 @@ The conventions, for whoever writes a doc:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import select
@@ -206,7 +210,13 @@ def test_code_blocks_run(doc: Path, tmp_path: Path, runner: _Runner) -> None:
                 except SyntaxError as exc:
                     failures.append(f"{block.where}: a fragment that does not compile: {exc}")
                 continue
-            assert not block.marks, f"{block.where}: unknown mark {block.marks}; only 'fragment'"
+            needs = [mark.removeprefix("requires=") for mark in block.marks if mark.startswith("requires=")]
+            assert len(needs) == len(block.marks), f"{block.where}: unknown mark {block.marks}; only 'fragment' or 'requires=PACKAGE'"
+            missing = [name for name in needs if importlib.util.find_spec(name) is None]
+            if missing:
+                compile(block.setup + "\n" + block.code + "\n" + block.check, block.where, "exec")
+                skipped.append(f"{block.where} (needs {', '.join(missing)})")
+                continue
             failure = _run_python(block, tmp_path, runner)
         elif block.language in _SHELL:
             reason = _skip_reason(block)
@@ -220,7 +230,7 @@ def test_code_blocks_run(doc: Path, tmp_path: Path, runner: _Runner) -> None:
             failures.append(failure)
     assert not failures, "\n\n".join(failures)
     if skipped:
-        print("bash blocks not run: " + "; ".join(skipped))
+        print("blocks not run: " + "; ".join(skipped))
 
 
 def test_setup_and_check_comments_are_attached_to_a_block() -> None:
