@@ -23,10 +23,15 @@ Layout (version 2)::
     sampler_state  {state, done}: the stateful sampler's state before the next batch
                    (done: it has nothing left this epoch), or None
     sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
+    skip           batches still to skip before the next one is yielded (a skip asked
+                   with ``load_state_dict(skip=...)`` and not yet carried out; it
+                   applies to the next epoch when ``ended``); absent in older files: 0
     next_batches   per worker, {produced, digest} of its next batch when it had already
                    arrived (the resume self-check, _selfcheck.py), or None
     workers        one ledger per logical worker (see _ledger.py):
-                   {epoch_start, yielded, yielded_complete, exhausted}, each snapshot
+                   {epoch_start, yielded, yielded_complete, exhausted, skipped}
+                   (skipped: map-style batches of the worker's share a skip passed
+                   over since its last snapshot; absent in older files: 0), each snapshot
                    {rng (base64), produced, data, data_owner, complete, exhausted,
                    objects (base64 of the generator objects' states, _objkinds.py, or
                    None)};
@@ -38,7 +43,7 @@ User data (``data``, ``sampler_state.state``) is stored through ``_plain.encode`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import _plain
@@ -94,6 +99,7 @@ def _ledger_to_plain(ledger: WorkerLedger, where: str) -> tuple[dict[str, Any], 
         "yielded": plain(at, "yielded"),
         "yielded_complete": SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete"),
         "exhausted": ledger.exhausted,
+        "skipped": ledger.skipped,
     }
     entry = (out, sha256_of(out))
     ledger.cache.append(entry)
@@ -126,6 +132,7 @@ def build_state(
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
             base_seed=None, drew_base_seed=True, sampler_state=None, sampler_epoch=None,
+            skip=0,
         )
     else:
         position: Position = progress.position
@@ -143,6 +150,7 @@ def build_state(
             drew_base_seed=progress.drew_base_seed,
             sampler_state=sampler_state,
             sampler_epoch=progress.sampler_epoch,
+            skip=position.skip,
         )
         ledgers = [
             _ledger_to_plain(ledger, f"worker {w}'s state") for w, ledger in enumerate(position.workers)
@@ -187,6 +195,7 @@ def _ledger_from_plain(plain: dict[str, Any], where: str) -> WorkerLedger:
         yielded=yielded,
         yielded_complete=yielded if plain["yielded_complete"] == SAME_AS_YIELDED else snap("yielded_complete"),
         exhausted=plain["exhausted"],
+        skipped=plain.get("skipped", 0),
     )
 
 
@@ -212,7 +221,7 @@ def read_state(
     check_fingerprint(state, mine, allowed)
     saved_slots = max(1, state["fingerprint"]["num_workers"]) if isinstance(state["fingerprint"]["num_workers"], int) else facts.slots
     same_slots = saved_slots == facts.slots
-    check_consistent(state, LoaderFacts(facts.iterable, saved_slots, facts.dataset_has_protocol, facts.batches_per_epoch))
+    check_consistent(state, replace(facts, slots=saved_slots))
     ledgers = [_ledger_from_plain(plain, f"loader state['workers'][{w}]") for w, plain in enumerate(state["workers"])]
     if not same_slots:
         ledgers = []  # num_workers differs (allowed): workers start freshly seeded
@@ -229,9 +238,10 @@ def read_state(
                 base_seed=state["base_seed"],
                 draw_base_seed=False,
                 workers=[ledger.next_epoch() for ledger in ledgers],
+                skip=state.get("skip", 0),
             )
         else:
-            start = EpochStart(epoch=state["epoch"] + 1)
+            start = EpochStart(epoch=state["epoch"] + 1, skip=state.get("skip", 0))
         rng_next = None if state["rng_next"] is None else _plain.unb64(state["rng_next"], "rng_next")
         return Restore(start, ledgers, sampler_state, rng_next)
     expected = [None if e is None else (e["produced"], e["digest"]) for e in state["next_batches"]]
@@ -246,6 +256,7 @@ def read_state(
         workers=ledgers or None,
         sampler_state=sampler_state,
         sampler_epoch=state["sampler_epoch"],
+        skip=state.get("skip", 0),
     )
     return Restore(start, ledgers, None, None)
 

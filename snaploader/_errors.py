@@ -69,3 +69,19 @@ def short_indices(indices: Any, limit: int = 16) -> str:
     if isinstance(indices, (list, tuple)) and len(indices) > limit:
         return f"{list(indices[:limit])}... ({len(indices)} in all)"
     return repr(indices)
+
+
+def length_message(dataset: object, reported: int, yielded: int, num_workers: int) -> str:
+    """torch's warning, in torch's words, when an iterable dataset yields more batches
+    than the ``len(loader)`` that was asked of it."""
+    message = (
+        f"Length of IterableDataset {dataset} was reported to be {reported}"
+        f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
+    )
+    if num_workers > 0:
+        message += (
+            "For multiprocessing data-loading, this could be caused by not properly configuring the "
+            "IterableDataset replica at each worker. Please see "
+            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
+        )
+    return message

@@ -35,6 +35,7 @@ from ._errors import (
     ReplayRefusedError,
     ResumeMismatchWarning,
     WorkerCrashedError,
+    length_message,
     short_indices,
     user_stacklevel,
 )
@@ -47,6 +48,7 @@ from ._ledger import (
     replay_message,
     replay_without_protocol,
     resume_after,
+    skip_map_batches,
 )
 from ._objects import RngCensus
 from ._plan import IndexPlan, epoch_aware_part
@@ -87,6 +89,7 @@ class LoaderSettings:
     rng_objects: Any = None
     exclude_rngs: Any = None
     rng_census: RngCensus | None = None
+    state_protocol: bool = True
 
     @property
     def slots(self) -> int:
@@ -133,6 +136,16 @@ class SnapIterator:
         source = RngSource(settings.generator)
         restoring = start.restore_rng is not None
         rng_start = start.restore_rng if start.restore_rng is not None else source.get_state()
+        workers = list(start.workers or [WorkerLedger() for _ in range(settings.slots)])
+        yielded, skip, expected = start.yielded, start.skip, start.expected_digests
+        if skip and not settings.iterable:
+            # Map-style: the plan skips the indices and each worker keeps its snapshot,
+            # so no skipped batch is fetched and none of its RNG draws is made. An
+            # iterable's skipped batches are produced and discarded (_skip_batches).
+            shifted = skip_map_batches(workers, yielded, skip)
+            if expected is not None:
+                expected = [None if a is not b else e for a, b, e in zip(workers, shifted, expected)]
+            workers, yielded, skip = shifted, yielded + skip, 0
         replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
         with replaying:
             base_seed = start.base_seed
@@ -149,13 +162,9 @@ class SnapIterator:
                 rng_start=rng_start,
                 base_seed=base_seed,
                 drew_base_seed=start.draw_base_seed,
-                position=Position(
-                    yielded=start.yielded,
-                    turn=start.turn,
-                    workers=tuple(start.workers or [WorkerLedger() for _ in range(settings.slots)]),
-                ),
+                position=Position(yielded=yielded, turn=start.turn, workers=tuple(workers), skip=skip),
                 sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
-                plan_skip=start.yielded,
+                plan_skip=yielded,
             )
             self._warn_or_refuse_replay()
             self._ready_workers(base_seed)
@@ -163,12 +172,14 @@ class SnapIterator:
             # do not each inherit a copy of the epoch's index list.
             self.plan = None
             if not settings.iterable:
-                self.plan = IndexPlan(settings.index_sampler, start.yielded, start.sampler_state)
+                self.plan = IndexPlan(
+                    settings.index_sampler, yielded, start.sampler_state, state_at=start.yielded
+                )
         self.progress.attach_plan(self.plan)
-        if start.expected_digests is not None and settings.check_resume:
-            self.progress.expected_digests = list(start.expected_digests)
+        if expected is not None and settings.check_resume:
+            self.progress.expected_digests = list(expected)
         self.plan_done = self.plan is None
-        self.dispatched = start.yielded
+        self.dispatched = yielded
         self._dispatch()
 
     def _ready_workers(self, base_seed: int) -> None:
@@ -193,7 +204,12 @@ class SnapIterator:
         if not any(replays):
             return
         mode = self.settings.replay
-        message = replay_message(self.settings.dataset, replays, refused=mode == "refuse")
+        message = replay_message(
+            self.settings.dataset,
+            replays,
+            refused=mode == "refuse",
+            state_protocol=self.settings.state_protocol,
+        )
         if mode == "refuse":
             raise ReplayRefusedError(message)
         if mode == "warn":
@@ -215,6 +231,7 @@ class SnapIterator:
             digests=settings.check_resume and settings.num_workers > 0,
             rng_objects=settings.rng_objects,
             exclude_rngs=settings.exclude_rngs,
+            state_protocol=settings.state_protocol,
         )
         if settings.num_workers == 0:
             inline = InlineRunner(setup)
@@ -276,6 +293,8 @@ class SnapIterator:
         if self.closed or self.progress.ended:
             raise StopIteration
         try:
+            if self.progress.position.skip:
+                self._skip_batches()
             found = self._next_result()
         except WorkerCrashedError:
             self.close()
@@ -290,6 +309,10 @@ class SnapIterator:
         turn = (slot + 1) % self.settings.slots if self.settings.iterable else progress.position.turn
         progress.advance(slot, result.snapshot, turn=turn, yielded=True)
         self._dispatch()
+        if self.settings.check_resume and self.runner is not None:
+            # Results a worker finished while the training step ran are taken now, so
+            # that the next checkpoint holds their digests (the resume self-check).
+            self.runner.poll()
         if result.kind is Kind.ERROR:
             if not isinstance(result.payload, WorkerError):
                 raise TypeError(f"an error result carried a {type(result.payload).__name__}")
@@ -329,6 +352,28 @@ class SnapIterator:
             return slot, task, result
         return None
 
+    def _skip_batches(self) -> None:
+        """Take and discard the batches an iterable's pending skip passes over (each
+        worker reads its own, errors included); the epoch's end stops it (_skip.py)."""
+        progress = self.progress
+        asked = progress.position.skip
+        while progress.position.skip:
+            found = self._next_result()
+            if found is None:
+                warnings.warn(
+                    f"the skip asked for {asked} batch(es) of epoch {progress.epoch}, but "
+                    f"the epoch ended after {asked - progress.position.skip}; the skip does "
+                    "not carry over into the next epoch",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
+                return
+            slot, _, result = found
+            if progress.expected_digests and result.kind is Kind.BATCH:
+                self._self_check(slot, result)
+            progress.advance(slot, result.snapshot, turn=(slot + 1) % self.settings.slots, yielded=True)
+            self._dispatch()
+
     def _self_check(self, slot: int, result: Result) -> None:
         """Compare a restored slot's first batch with the digest the checkpoint kept
         of it (see _selfcheck.py); warn once per restore."""
@@ -354,16 +399,7 @@ class SnapIterator:
         yielded = self.progress.yielded
         if reported is None or yielded <= reported:
             return
-        message = (
-            f"Length of IterableDataset {self.settings.dataset} was reported to be {reported}"
-            f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
-        )
-        if self.settings.num_workers > 0:
-            message += (
-                "For multiprocessing data-loading, this could be caused by not properly configuring the "
-                "IterableDataset replica at each worker. Please see "
-                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
-            )
+        message = length_message(self.settings.dataset, reported, yielded, self.settings.num_workers)
         warnings.warn(message, stacklevel=user_stacklevel())
 
     def _where(self, slot: int, task: Task) -> str:

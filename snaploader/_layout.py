@@ -195,8 +195,9 @@ class LoaderFacts:
 
     iterable: bool
     slots: int  # worker slots of the loader the checkpoint was taken from
-    dataset_has_protocol: bool
+    dataset_has_protocol: bool  # and the loader uses it (state_protocol)
     batches_per_epoch: int | None  # map-style, when the sampler has a length
+    state_protocol: bool = True  # the loader's option of that name
 
 
 def validate(state: Any) -> None:
@@ -239,6 +240,9 @@ def validate(state: Any) -> None:
             raise _fail("loader state['fingerprint']", f"has no {key!r} key")
     if state["rng_kind"] not in ("generator", "global"):
         raise _fail("loader state['rng_kind']", f"should be 'generator' or 'global', got {state['rng_kind']!r}")
+    check_count("loader state['skip']", state.get("skip", 0))
+    for w, ledger in enumerate(workers):
+        check_count(f"loader state['workers'][{w}]['skipped']", ledger.get("skipped", 0))
     if state["epoch"] < -1 or state["yielded"] < 0:
         raise _fail("loader state", f"has epoch {state['epoch']} and yielded {state['yielded']}; epoch must be >= -1 and yielded >= 0")
     sampler_state = state["sampler_state"]
@@ -283,6 +287,12 @@ def validate(state: Any) -> None:
         raise _fail("loader state['sampler_epoch']", f"is {state['sampler_epoch']}; expected >= 0")
 
 
+def check_count(where: str, value: Any) -> None:
+    # The skip fields came after version 2 was first written: absent means 0.
+    if type(value) is not int or value < 0:
+        raise _fail(where, f"should be an int >= 0, got {type(value).__name__} ({value!r:.60})")
+
+
 def _check_generator_state(where: str, text: str) -> None:
     try:
         RngSource.check_state(_plain.unb64(text, where))
@@ -312,6 +322,13 @@ def check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
                 f"is {yielded} for an epoch of {facts.batches_per_epoch} batches"
                 f"{' that ended' if state['ended'] else ''}",
             )
+        skip_from = 0 if state["ended"] else yielded
+        if skip_from + state.get("skip", 0) > facts.batches_per_epoch:
+            raise _fail(
+                "loader state['skip']",
+                f"is {state.get('skip', 0)}, past the end of an epoch of "
+                f"{facts.batches_per_epoch} batches from batch {skip_from}",
+            )
     produced = []
     for w, ledger in enumerate(workers):
         where = f"loader state['workers'][{w}]"
@@ -320,7 +337,10 @@ def check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
             if isinstance(snapshot, dict):
                 _check_snapshot(f"{where}[{key!r}]", snapshot, facts)
         at = ledger["yielded"]
-        count = 0 if at is None else at["produced"]
+        skipped = ledger.get("skipped", 0)
+        if skipped and facts.iterable:
+            raise _fail(f"{where}['skipped']", "is set for an iterable dataset, whose skipped batches are produced")
+        count = (0 if at is None else at["produced"]) + skipped
         produced.append(count)
         if ledger["exhausted"] != (at is not None and at["exhausted"]):
             raise _fail(f"{where}['exhausted']", "disagrees with its last snapshot's 'exhausted'")
@@ -333,7 +353,7 @@ def check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
                 f"{where}['yielded_complete']",
                 f"should be {SAME_AS_YIELDED!r} exactly when the last yielded snapshot is complete",
             )
-        if isinstance(complete, dict) and (not complete["complete"] or complete["produced"] >= count):
+        if isinstance(complete, dict) and (not complete["complete"] or complete["produced"] >= count - skipped):
             raise _fail(f"{where}['yielded_complete']", "should be a complete snapshot older than the last yielded one")
         if not facts.iterable:
             # Map-style batch k comes from worker k mod W: the counts are fixed.
@@ -359,6 +379,14 @@ def _check_snapshot(where: str, snapshot: dict[str, Any], facts: LoaderFacts) ->
         raise _fail(f"{where}['data_owner']", f"is {owner!r}; expected one of {_OWNERS}")
     if snapshot["produced"] < 0:
         raise _fail(f"{where}['produced']", f"is {snapshot['produced']}; expected >= 0")
+    if owner is not None and not facts.state_protocol:
+        raise _fail(
+            f"{where}['data_owner']",
+            f"is {owner!r}: the checkpoint holds the dataset's own state, and this loader "
+            "was built with state_protocol=False, which would resume without it. Build "
+            "the loader with state_protocol=True to resume this checkpoint, or start "
+            "the epoch afresh",
+        )
     if not facts.iterable:
         expected_owner = "dataset" if facts.dataset_has_protocol else None
         if owner != expected_owner or not snapshot["complete"] or snapshot["exhausted"]:
@@ -372,7 +400,12 @@ def _check_snapshot(where: str, snapshot: dict[str, Any], facts: LoaderFacts) ->
         if owner == "dataset" and not facts.dataset_has_protocol:
             raise _fail(f"{where}['data_owner']", "is 'dataset', but this dataset has no state_dict()/load_state_dict()")
         if owner is None and facts.dataset_has_protocol:
-            raise _fail(f"{where}['data_owner']", "is None, but this dataset has state_dict()/load_state_dict()")
+            raise _fail(
+                f"{where}['data_owner']",
+                "is None, but this dataset has state_dict()/load_state_dict(); a checkpoint "
+                "taken with state_protocol=False resumes only in a loader built with "
+                "state_protocol=False",
+            )
         if snapshot["complete"] and owner is None:
             raise _fail(f"{where}['complete']", "is True for a snapshot that holds no dataset or iterator state")
     try:

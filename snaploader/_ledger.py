@@ -30,13 +30,17 @@ class WorkerLedger:
     the epoch's base seed). ``yielded``: the snapshot after its last yielded batch this
     epoch (None: none yet). ``yielded_complete``: the newest snapshot at or before
     ``yielded`` that positions the worker without replay. ``exhausted``: its iterable
-    ran dry this epoch and the round-robin has moved past it.
+    ran dry this epoch and the round-robin has moved past it. ``skipped``: map-style
+    batches of this worker's share that a skip (``load_state_dict(skip=...)``) passed
+    over since ``yielded``; they are counted as produced, but their fetches and RNG
+    draws were never made, so the worker resumes from ``yielded`` as it stands.
     """
 
     epoch_start: Snapshot | None = None
     yielded: Snapshot | None = None
     yielded_complete: Snapshot | None = None
     exhausted: bool = False
+    skipped: int = 0
     # The checkpoint form of this (immutable) ledger, made once (_checkpoint.py).
     cache: list[Any] = field(default_factory=list, compare=False, repr=False)
 
@@ -88,7 +92,26 @@ def resume_after(ledger: WorkerLedger, received: Iterable[Snapshot] = ()) -> Res
         at = snapshot
         if snapshot.complete:
             at_complete = snapshot
-    return resume_from(ledger.epoch_start, at, at_complete)
+    msg = resume_from(ledger.epoch_start, at, at_complete)
+    if ledger.skipped and at is ledger.yielded:
+        # A received snapshot already counts the skipped batches; the ledger's does not.
+        msg = replace(msg, base_produced=msg.base_produced + ledger.skipped)
+    return msg
+
+
+def skip_map_batches(
+    workers: list[WorkerLedger], yielded: int, skip: int
+) -> list[WorkerLedger]:
+    """The ledgers after skipping map-style batches ``yielded`` to ``yielded + skip``
+    (exclusive) without producing them: batch k belongs to worker k mod W, so each
+    worker's share of the skipped batches is added to its ``skipped`` count and its
+    snapshot stays as it was (see docs/api.md, "Skipping batches")."""
+    slots = len(workers)
+    out = []
+    for w, ledger in enumerate(workers):
+        share = len(range(w, yielded + skip, slots)) - len(range(w, yielded, slots))
+        out.append(replace(ledger, skipped=ledger.skipped + share, cache=[]) if share else ledger)
+    return out
 
 
 def replay_without_protocol(ledger: WorkerLedger) -> int:
@@ -110,6 +133,7 @@ class Position:
     workers: tuple[WorkerLedger, ...]
     ended: bool = False
     sampler_state: Any = None  # the stateful sampler's state before the next batch
+    skip: int = 0  # iterable: batches still to discard before the next one is yielded
 
 
 @dataclass(eq=False)
@@ -145,7 +169,7 @@ class EpochProgress:
         """Per slot, the count and digest of its next batch, if it has arrived."""
         out: list[tuple[int, str] | None] = []
         for slot, ledger in enumerate(self.position.workers):
-            produced = (0 if ledger.yielded is None else ledger.yielded.produced) + 1
+            produced = (0 if ledger.yielded is None else ledger.yielded.produced) + ledger.skipped + 1
             digest = self.received_digests[slot].get(produced)
             out.append(None if digest is None else (produced, digest))
         return out
@@ -181,7 +205,11 @@ class EpochProgress:
         count = position.yielded + 1 if yielded else position.yielded
         if yielded:
             self.previous = position
-        self.position = Position(count, turn, tuple(workers), False, self._sampler_state(count))
+        # While a skip is pending, the batches taken are the skipped ones (_iterator.py).
+        skip = position.skip - 1 if yielded and position.skip else position.skip
+        self.position = Position(
+            count, turn, tuple(workers), False, self._sampler_state(count), skip
+        )
         if yielded and self.plan is not None:
             self.plan.forget_before(count - self.plan_skip)
         received = self.received_digests[slot]
@@ -190,8 +218,9 @@ class EpochProgress:
 
     def end(self) -> None:
         """Publish that the epoch is over."""
+        # A skip never carries over into the next epoch (docs/api.md).
         self.position = replace(
-            self.position, ended=True, sampler_state=self._sampler_state(self.yielded)
+            self.position, ended=True, sampler_state=self._sampler_state(self.yielded), skip=0
         )
 
 
@@ -209,6 +238,7 @@ class EpochStart:
     sampler_state: Any = None
     sampler_epoch: int | None = None
     expected_digests: list[tuple[int, str] | None] | None = None  # the self-check's
+    skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool) -> EpochStart:
@@ -224,19 +254,33 @@ class EpochStart:
         )
 
 
-def replay_message(dataset: Any, replays: list[int], *, refused: bool) -> str:
+def replay_message(
+    dataset: Any, replays: list[int], *, refused: bool, state_protocol: bool = True
+) -> str:
     """Why a resume of ``dataset`` replays ``replays[w]`` batches in worker ``w``, and
-    how to avoid it; for the warning (``refused=False``) or ReplayRefusedError."""
+    how to avoid it; for the warning (``refused=False``) or ReplayRefusedError.
+    ``state_protocol``: the loader's option of that name."""
     name = type(dataset).__qualname__
     per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
+    if state_protocol:
+        why = (
+            f"because neither {name} nor the iterator iter(dataset) returns has "
+            "state_dict()/load_state_dict()"
+        )
+        fix = (
+            "implement state_dict()/load_state_dict() returning plain data on the "
+            "iterator or the dataset to resume without reading skipped data "
+            "(docs/iterable.md)"
+        )
+    else:
+        why = "because the loader was built with state_protocol=False"
+        fix = (
+            "build the loader with state_protocol=True (the default) if the dataset's "
+            "own state_dict() resumes it exactly"
+        )
     what = (
         f"an exact resume of {name} replays {sum(replays)} batch(es) from the epoch "
-        f"start, reading and discarding them ({per_worker}), because neither {name} nor "
-        "the iterator iter(dataset) returns has state_dict()/load_state_dict()"
-    )
-    fix = (
-        "implement state_dict()/load_state_dict() returning plain data on the iterator "
-        "or the dataset to resume without reading skipped data (docs/iterable.md)"
+        f"start, reading and discarding them ({per_worker}), {why}"
     )
     if refused:
         return (

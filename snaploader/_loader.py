@@ -6,6 +6,7 @@ import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, Final, TypeVar
 
 import torch
@@ -21,6 +22,7 @@ from ._objkinds import KINDS
 from ._plan import stateful_part
 from ._protocol import has_state_protocol
 from ._rng import RngSource
+from ._skip import skip_count, state_with_skip
 
 _REPLAY_MODES: Final = ("warn", "allow", "refuse")
 # The type of the batches, as in torch: ``DataLoader[int]`` is valid in annotations.
@@ -81,6 +83,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     * ``exclude_rngs`` (paths, or a predicate ``(path, generator) -> bool``): generator
       objects not to capture; a path leaves out everything under it.
       :meth:`captured_rngs` lists what is captured.
+    * ``state_protocol`` (bool, default True): use the dataset's (or its iterator's)
+      own ``state_dict()``/``load_state_dict()`` in checkpoints. False ignores them:
+      an iterable is then resumed by replaying from the epoch start, exactly, which
+      is what a dataset whose protocol loses data (a shuffle buffer it does not save)
+      needs; a map-style dataset's own state is then not restored.
 
     Differences from torch are listed in ``docs/differences.md``.
     """
@@ -112,6 +119,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         rng_objects: Callable[[], Any] | None = None,
         exclude_rngs: Iterable[str] | Callable[[str, Any], bool] = (),
         snapshot_every_n_steps: int | None = None,
+        state_protocol: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -167,6 +175,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self.rng_objects = rng_objects
         self.exclude_rngs = _checked_exclude(exclude_rngs)
         self._rng_census = RngCensus()
+        if not isinstance(state_protocol, bool):
+            raise ValueError(f"state_protocol should be True or False, got {state_protocol!r}")
+        self.state_protocol = state_protocol
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -206,6 +217,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             rng_objects=self.rng_objects,
             exclude_rngs=self.exclude_rngs,
             rng_census=self._rng_census,
+            state_protocol=self.state_protocol,
         )
 
     def _warn_pin_memory(self) -> None:
@@ -293,7 +305,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         return LoaderFacts(
             iterable=self._iterable,
             slots=max(1, self.num_workers),
-            dataset_has_protocol=has_state_protocol(self.dataset),
+            dataset_has_protocol=self.state_protocol and has_state_protocol(self.dataset),
+            state_protocol=self.state_protocol,
             batches_per_epoch=batches,
         )
 
@@ -306,9 +319,20 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         return build_state(self._fingerprint(), self._progress, RngSource(self.generator))
 
     def load_state_dict(
-        self, state: dict[str, Any], *, allow_mismatch: Iterable[str] = ()
+        self,
+        state: dict[str, Any],
+        *,
+        allow_mismatch: Iterable[str] = (),
+        skip: int = 0,
+        skip_to: int | None = None,
     ) -> None:
         """Make the next ``iter(loader)`` continue where ``state`` was taken.
+
+        ``skip=N`` passes over the next N batches, ``skip_to=k`` over those before batch
+        k of the epoch (a loss-spike rollback): a map-style dataset reads none of them,
+        an iterable's workers read and discard them; ``state_dict()`` records the skip.
+        See docs/api.md, "Skipping batches". ``ValueError`` for a skip that goes
+        backwards or past the end of an epoch of known length.
 
         Raises :class:`~snaploader.CheckpointFormatError` for a malformed ``state`` and
         :class:`~snaploader.CheckpointMismatchError` when it was taken from a loader
@@ -316,18 +340,24 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         :class:`~snaploader.ReplayRefusedError` when the loader was built with
         ``replay="refuse"`` and resuming needs a replay from the epoch start.
         """
+        facts = self._facts()
         restore = read_state(
-            state,
-            self._fingerprint(),
-            frozenset(allow_mismatch),
-            self._facts(),
-            self.persistent_workers,
+            state, self._fingerprint(), frozenset(allow_mismatch), facts, self.persistent_workers
         )
+        extra = skip_count(restore.start, skip, skip_to, facts.batches_per_epoch)
+        if extra:
+            total = restore.start.skip + extra
+            restore = replace(restore, start=replace(restore.start, skip=total))
+            state = state_with_skip(state, total)
         if self.replay == "refuse" and restore.start.restore_rng is not None:
             # Refuse now, while the caller can still act, not at the next iter().
             replays = [replay_without_protocol(ledger) for ledger in restore.ledgers]
             if any(replays):
-                raise ReplayRefusedError(replay_message(self.dataset, replays, refused=True))
+                raise ReplayRefusedError(
+                    replay_message(
+                        self.dataset, replays, refused=True, state_protocol=self.state_protocol
+                    )
+                )
         # An iterator that went on would yield the old stream while state_dict()
         # reports the loaded one: each one raises at its next next() instead.
         for iterator in list(self._iterators):

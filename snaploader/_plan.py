@@ -161,15 +161,24 @@ class IndexPlan:
     at the epoch start (inside :meth:`RngSource.replaying` on restore).
     """
 
-    def __init__(self, index_sampler: Any, skip: int = 0, sampler_state: Any = None) -> None:
-        """``sampler_state`` is what :meth:`sampler_state_before` returned in the run
-        being restored: the stateful sampler then stands at batch ``skip`` by itself."""
+    def __init__(
+        self,
+        index_sampler: Any,
+        skip: int = 0,
+        sampler_state: Any = None,
+        *,
+        state_at: int | None = None,
+    ) -> None:
+        """The plan starts at batch ``skip``. ``sampler_state`` is what
+        :meth:`sampler_state_before` returned in the run being restored: the stateful
+        sampler then stands at batch ``state_at`` (default ``skip``) by itself, and
+        the batches from there to ``skip`` are skipped (``load_state_dict(skip=...)``)."""
         self.stateful = stateful_part(index_sampler)
         done = False
         if self.stateful is not None and sampler_state is not None:
             self.stateful.load_state_dict(sampler_state["state"])
             done = bool(sampler_state["done"])
-            skip = 0
+            skip -= skip if state_at is None else state_at
         self.batches: Iterator[Any] = iter(()) if done else self._iterate(index_sampler, skip)
         # state_dict() of the stateful sampler taken before each drawn batch, oldest first
         self.states: deque[Any] = deque()

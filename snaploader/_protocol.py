@@ -61,6 +61,7 @@ class WorkerSetup:
     digests: bool = False  # send each batch's digest (the resume self-check)
     rng_objects: Callable[[], Any] | None = None  # DataLoader(rng_objects=...)
     exclude_rngs: Any = None  # DataLoader(exclude_rngs=...): paths or a predicate
+    state_protocol: bool = True  # False: ignore the dataset's and iterator's state_dict()
 
 
 @dataclass(frozen=True, slots=True)

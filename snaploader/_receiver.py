@@ -141,6 +141,9 @@ class ProcessRunner(Runner):
         self.held_fds -= fds
         return task, result
 
+    def poll(self) -> None:
+        self._pump(0.0, None)
+
     def settle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while any(state.outstanding for state in self.slots):

@@ -97,6 +97,10 @@ class Runner(ABC):
     def next_result(self, slot: int) -> tuple[Task, Result]:
         """The answer to ``slot``'s oldest outstanding task; waits for it."""
 
+    def poll(self) -> None:
+        """Take the answers that have already arrived, without waiting (so that a
+        checkpoint can hold the self-check digests of prefetched batches)."""
+
     @abstractmethod
     def settle(self, timeout_s: float) -> None:
         """Take the answers still owed (instant "exhausted" replies at an iterable's

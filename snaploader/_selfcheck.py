@@ -68,13 +68,16 @@ def _feed(h: Any, value: Any) -> None:
 
 
 def mismatch_message(batch: int, epoch: int, worker: str, produced: int) -> str:
-    """The ResumeMismatchWarning's text: which batch, and what usually causes it."""
+    """The ResumeMismatchWarning's text: ``worker``'s ``produced``-th batch of the epoch,
+    batch ``batch`` of epoch ``epoch``, differs from its digest in the checkpoint."""
     return (
         f"resume self-check: batch {batch} of epoch {epoch} ({worker}'s batch {produced} "
         "of the epoch) differs from the one that was prefetched when the checkpoint was "
         "taken, so the resumed stream is not the interrupted one. Usual causes: the data "
-        "changed on disk since, or randomness the checkpoint does not capture (a "
-        "generator created inside __getitem__, a global of another module, time- or "
-        "os-seeded code, a C extension's own RNG; see docs/how-resume-works.md). "
-        "`snaploader verify` shows where; check_resume=False turns this check off"
+        "changed on disk since, a dataset state_dict() that does not hold everything its "
+        "position depends on (a shuffle buffer it does not save: see state_protocol=False "
+        "in docs/iterable.md), or randomness the checkpoint does not capture (a generator "
+        "created inside __getitem__, a global of another module, time- or os-seeded code, "
+        "a C extension's own RNG; see docs/how-resume-works.md). `snaploader verify` "
+        "shows where; check_resume=False turns this check off"
     )

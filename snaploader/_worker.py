@@ -270,7 +270,9 @@ class WorkerRuntime:
         rng = self._capture_rng()
         objects, report = self.objects_now = self.objects.snapshot()
         owner: str | None = None
-        if setup.iterable and has_state_protocol(self.iterator):
+        if not setup.state_protocol:
+            pass  # the user chose replay over the dataset's own protocol
+        elif setup.iterable and has_state_protocol(self.iterator):
             owner = "iterator"
         elif has_state_protocol(self.dataset):
             owner = "dataset"

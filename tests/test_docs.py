@@ -22,6 +22,9 @@ The conventions, for whoever writes a doc:
 - A block that the reader saves as a module (``pipeline.py``) is marked
   ```` ```python file=pipeline.py ````: it is written under that name in the document's
   temporary directory, where later blocks import it, and run too.
+- A block that needs an optional package (the ``integrations`` extra) is marked
+  ```` ```python requires=PACKAGE ````: it runs where ``PACKAGE`` imports, and is
+  reported as not run (and only compiled) where it does not.
 - ```` ```bash ```` blocks install packages, build virtual environments or start long
   runs (the demo, the test suite, the benchmark, the stress scripts); running them here
   would download or take minutes, so such a block is skipped, and the reason is
@@ -31,6 +34,7 @@ The conventions, for whoever writes a doc:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import select
@@ -210,8 +214,14 @@ def test_code_blocks_run(doc: Path, tmp_path: Path, runner: _Runner) -> None:
                     failures.append(f"{block.where}: a fragment that does not compile: {exc}")
                 continue
             files = [mark.removeprefix("file=") for mark in block.marks if mark.startswith("file=")]
-            unknown = [mark for mark in block.marks if not mark.startswith("file=")]
-            assert not unknown, f"{block.where}: unknown mark {unknown}; only 'fragment' or 'file=NAME'"
+            needs = [mark.removeprefix("requires=") for mark in block.marks if mark.startswith("requires=")]
+            unknown = [mark for mark in block.marks if not mark.startswith(("file=", "requires="))]
+            assert not unknown, f"{block.where}: unknown mark {unknown}; only 'fragment', 'file=NAME' or 'requires=PACKAGE'"
+            missing = [name for name in needs if importlib.util.find_spec(name) is None]
+            if missing:
+                compile(block.setup + "\n" + block.code + "\n" + block.check, block.where, "exec")
+                skipped.append(f"{block.where} (needs {', '.join(missing)})")
+                continue
             for name in files:
                 (tmp_path / name).write_text(block.code)
             failure = _run_python(block, tmp_path, runner)
@@ -227,7 +237,7 @@ def test_code_blocks_run(doc: Path, tmp_path: Path, runner: _Runner) -> None:
             failures.append(failure)
     assert not failures, "\n\n".join(failures)
     if skipped:
-        print("bash blocks not run: " + "; ".join(skipped))
+        print("blocks not run: " + "; ".join(skipped))
 
 
 def test_setup_and_check_comments_are_attached_to_a_block() -> None:
