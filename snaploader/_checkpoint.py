@@ -47,16 +47,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import _plain
+from ._fingerprint import Fingerprint, check_fingerprint
 from ._layout import (
-    SAME_AS_YIELDED,
     FORMAT,
+    SAME_AS_YIELDED,
     VERSION,
-    Fingerprint,
     LoaderFacts,
     check_consistent,
-    sha256_of,
-    check_fingerprint,
     digest_of,
+    sha256_of,
     validate,
 )
 from ._ledger import EpochProgress, EpochStart, Position, WorkerLedger

@@ -24,10 +24,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Final
 
-import torch
 from torch.utils.data._utils import pin_memory as torch_pin_memory
 
 from ._errors import (
@@ -50,56 +48,15 @@ from ._ledger import (
     resume_after,
     skip_map_batches,
 )
-from ._objects import RngCensus
 from ._plan import IndexPlan, epoch_aware_part
 from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
 from ._receiver import ProcessRunner
 from ._rng import RngSource
 from ._runner import Runner
 from ._selfcheck import batch_digest, mismatch_message
+from ._settings import LoaderSettings
 
 _SETTLE_TIMEOUT_S: Final = 5.0
-
-
-@dataclass(frozen=True)
-class LoaderSettings:
-    """What an iterator needs to know of its loader, built by the loader at ``iter()``."""
-
-    dataset: Any
-    index_sampler: Any
-    iterable: bool
-    auto_collation: bool
-    context: Any  # a multiprocessing context
-    pin_memory: bool  # pin, and an accelerator is there to pin for
-    pin_device: str | None
-    reported_length: int | None  # len(loader) as reported for an iterable dataset
-    num_workers: int
-    prefetch_factor: int | None
-    timeout_s: float
-    persistent_workers: bool
-    generator: torch.Generator | None
-    batch_size: int | None
-    drop_last: bool
-    collate_fn: Any
-    worker_init_fn: Any
-    snapshot_every: int
-    replay: str
-    max_worker_retries: int
-    check_resume: bool = True
-    rng_objects: Any = None
-    exclude_rngs: Any = None
-    rng_census: RngCensus | None = None
-    state_protocol: bool = True
-
-    @property
-    def slots(self) -> int:
-        """Worker slots: the workers, or the one slot run in the main process."""
-        return max(1, self.num_workers)
-
-    @property
-    def prefetch(self) -> int:
-        """Tasks kept outstanding per slot."""
-        return (self.prefetch_factor or 1) if self.num_workers > 0 else 1
 
 
 class SnapIterator:

@@ -13,9 +13,11 @@ import torch
 import torch.utils.data as torch_data
 
 from ._checkpoint import build_state, read_state
-from ._layout import Fingerprint, LoaderFacts, fingerprint_of
+from ._fingerprint import Fingerprint, fingerprint_of
+from ._layout import LoaderFacts
 from ._errors import ReplayRefusedError
-from ._iterator import LoaderSettings, SnapIterator
+from ._iterator import SnapIterator
+from ._settings import LoaderSettings
 from ._ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
 from ._objects import RngCensus, discover
 from ._objkinds import KINDS

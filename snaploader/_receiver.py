@@ -39,7 +39,8 @@ import cloudpickle
 
 from ._errors import WorkerCrashedError, WorkerRespawnedWarning, short_indices, user_stacklevel
 from ._ledger import EpochProgress, resume_after
-from ._pool import Pool, WorkerProcess, describe_exit, likely_cause, torch_wording
+from ._exits import describe_exit, likely_cause, torch_wording
+from ._pool import Pool, WorkerProcess
 from ._protocol import Kind, Result, Resume, Task, UnreadablePayload, WorkerError, WorkerSetup, fds_of, loads_result
 from ._runner import Runner
 from ._worker import worker_main
