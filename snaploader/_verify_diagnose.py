@@ -155,12 +155,12 @@ _NOT_CAPTURED: Final = (
     "randomness or state that snaploader does not capture: the pipeline is deterministic "
     "(two uninterrupted runs in fresh processes, with different hash seeds, agree){order}, "
     "yet after resume the "
-    "values differ. The workers draw from something other than Python's random, numpy.random "
-    "and torch's global RNG, or keep a position of their own: a generator object held by the "
-    "dataset or a transform (random.Random(seed), np.random.default_rng(seed), a "
-    "torch.Generator), a global of another module, a C extension's own RNG{iterator}. Draw "
-    "from the global RNGs instead, or give the dataset (or its iterator) "
-    "state_dict()/load_state_dict() that saves and restores that state."
+    "values differ. The workers draw from something snaploader does not reach, or keep a "
+    "position of their own: a generator in a global of another module, one created inside "
+    "__getitem__, a C extension's own RNG{iterator}. Keep the generator on the dataset (or "
+    "pass it with DataLoader(rng_objects=...)), draw from the global RNGs, or give the "
+    "dataset (or its iterator) state_dict()/load_state_dict() that saves and restores that "
+    "state; loader.captured_rngs() lists what is captured."
 )
 _NO_GENERATOR: Final = (
     " Here the loader has no generator=, so its sample order and worker seeds come from "
