@@ -81,6 +81,7 @@ _SNAPSHOT_FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "data_owner": _OPTIONAL_STR,
     "complete": (bool,),
     "exhausted": (bool,),
+    "objects": (str, type(None)),
 }
 
 
@@ -332,10 +333,8 @@ def _check_snapshot(where: str, snapshot: dict[str, Any], facts: LoaderFacts) ->
         _plain.decode(snapshot["data"], f"{where}['data']")
     except ValueError as exc:
         raise _fail(f"{where}['data']", f"cannot be decoded: {exc}") from None
-    objects = snapshot.get("objects")
+    objects = snapshot["objects"]
     if objects is not None:
-        if not isinstance(objects, str):
-            raise _fail(f"{where}['objects']", f"should be str or None, got {type(objects).__name__}")
         try:
             check_objects(_plain.unb64(objects, f"{where}['objects']"))
         except ValueError as exc:

@@ -246,15 +246,24 @@ class ObjectRngs:
     def restore(self, blob: bytes | None, worker_id: int, skip_iterator: bool = False) -> None:
         """Write the states of ``blob`` into the objects found at the same paths;
         :class:`CheckpointFormatError` naming the first path that differs."""
+
+        def keep(path: str) -> bool:
+            return not (skip_iterator and path.startswith("iterator"))
+
         if blob is None:
+            if any(keep(path) for path in self.paths):
+                # A worker that holds generators writes their states into every
+                # snapshot: one without them was edited, or comes from other code.
+                raise CheckpointFormatError(
+                    f"the checkpoint holds no generator-object states for worker {worker_id}, "
+                    f"but its code holds generators ({', '.join(p for p in self.paths if keep(p))}); "
+                    "load the checkpoint taken with this dataset and code"
+                )
             return
         try:
             records = parse(blob)
         except ValueError as exc:
             raise CheckpointFormatError(f"the generator-object states for worker {worker_id}: {exc}") from None
-
-        def keep(path: str) -> bool:
-            return not (skip_iterator and path.startswith("iterator"))
 
         saved = [(path, code, state) for path, code, state in records if keep(path)]
         mine = [(i, path, code) for i, (path, code) in enumerate(zip(self.paths, self.codes)) if keep(path)]
