@@ -242,9 +242,13 @@ class ProcessRunner(Runner):
         cause = likely_cause(exitcode, worker.messages)
         state = self.slots[slot]
         # It answers in order: it answered the first ``lost`` outstanding tasks (the
-        # answers were lost) and died on the next one, or idle. Its mark says whether
-        # it had started that one: only then is the batch to blame.
-        task = state.outstanding[lost] if len(state.outstanding) > lost else None
+        # answers were lost) and died on a later one, or idle. Its mark names the task
+        # it was fetching (it may be past the first unanswered one when answers sent
+        # after it were lost too): only that batch is to blame.
+        unanswered = list(state.outstanding)[lost:]
+        at = next((i for i, t in enumerate(unanswered) if t.key == mark), 0)
+        task = unanswered[at] if unanswered else None
+        lost += at
         fetching = task is not None and mark == task.key
         what = self._describe(task, fetching)
         if fetching or (exitcode or 0) > 0:
