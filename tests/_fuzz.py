@@ -24,7 +24,7 @@ from snaploader import _layout
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream
 from ._object_datasets import OwnGenerators, reseed_own
-from ._support import assert_same_stream, generator, through_bytes
+from ._support import assert_same_stream, cut_state, generator
 
 CLEAR = (snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError)
 
@@ -85,16 +85,7 @@ def _drain(loader: snaploader.DataLoader) -> list[list[Any]]:
 
 def build_case(name: str) -> Case:
     make, before, cut = CONFIGS[name]
-    loader = make()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(before):
-            list(loader)
-        iterator = iter(loader)
-        for _ in range(cut):
-            next(iterator)
-        state = through_bytes(loader.state_dict())
-        del iterator
+    state = cut_state(make(), before, cut)
     resumed = make()
     resumed.load_state_dict(copy.deepcopy(state))
     return Case(name, make, state, _drain(resumed))

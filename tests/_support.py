@@ -7,6 +7,7 @@ import importlib.util
 import io
 import multiprocessing
 import sys
+import warnings
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 from collections.abc import Callable, Iterable, Iterator
@@ -66,6 +67,21 @@ def through_bytes(state: Any) -> Any:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+def cut_state(loader: Any, epochs_before: int, cut: int) -> dict[str, Any]:
+    """``loader``'s state after ``epochs_before`` whole epochs and ``cut`` batches of the
+    next, through torch.save/torch.load(weights_only=True); its warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(epochs_before):
+            list(loader)
+        iterator = iter(loader)
+        for _ in range(cut):
+            next(iterator)
+        state = through_bytes(loader.state_dict())
+        del iterator
+    return state
 
 
 def generator(seed: int) -> torch.Generator:

@@ -29,7 +29,7 @@ from ._object_datasets import (
     noisy,
     reseed_own,
 )
-from ._support import assert_same_stream, generator, mp_helpers, through_bytes  # noqa: F401
+from ._support import assert_same_stream, cut_state, generator, mp_helpers, through_bytes  # noqa: F401
 
 _NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 
@@ -50,15 +50,7 @@ def _quiet_list(loader: Any) -> list[Any]:
 
 
 def _cut(loader: snaploader.DataLoader, epochs_before: int, cut: int) -> dict[str, Any]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(epochs_before):
-            list(loader)
-        iterator = iter(loader)
-        for _ in range(cut):
-            next(iterator)
-        state = through_bytes(loader.state_dict())
-        del iterator
+    state = cut_state(loader, epochs_before, cut)
     _close(loader)
     return state
 
