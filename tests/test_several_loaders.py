@@ -103,6 +103,7 @@ def _batches(steps: list[Any]) -> list[Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cut", [2, 5, 9])
+@pytest.mark.integration
 def test_combined_loader_max_size_cycle_resumes_exactly(cut: int) -> None:
     combined = _combined(make_loaders(), "max_size_cycle")
     expected = _batches(_steps(combined)) + _batches(_steps(combined))  # two epochs: 10 steps each
@@ -128,6 +129,7 @@ def test_combined_loader_max_size_cycle_resumes_exactly(cut: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cut", [3, 10, 12])
+@pytest.mark.integration
 def test_combined_loader_sequential_resumes_exactly(cut: int) -> None:
     combined = _combined(make_loaders(), "sequential")
     expected = _steps(combined)  # a's 10 batches, then b's 4

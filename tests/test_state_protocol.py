@@ -132,6 +132,7 @@ def _hf_loader(num_workers: int, **kwargs: Any) -> snaploader.DataLoader:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.integration
 def test_hf_shuffle_buffer_resumes_exactly_with_state_protocol_false(num_workers: int) -> None:
     full = [batch["x"] for batch in _hf_loader(num_workers, state_protocol=False)]
     assert sorted(torch.cat(full).tolist()) == list(range(400))
@@ -147,6 +148,7 @@ def test_hf_shuffle_buffer_resumes_exactly_with_state_protocol_false(num_workers
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_hf_shuffle_buffer_through_its_own_protocol_is_not_exact() -> None:
     # Why the option exists (datasets 5.2): HF's state holds no shuffle buffer, and at
     # num_workers=0 nothing was prefetched, so no digest could catch it.
