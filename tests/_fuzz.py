@@ -145,7 +145,9 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     # state_dict()) is the user's protocol's to judge; snaploader's fields are not.
     # Nor can any check tell one Mersenne Twister state from another: every 624 words
     # are a valid state. Such edits are the digest's to catch (unsigned ones below).
-    users = "data" in path or path[:2] == ("sampler_state", "state")
+    # A pending skip is an instruction (load_state_dict(skip=...) writes it): a re-signed
+    # one is a skip asked for, and changes the stream as documented.
+    users = "data" in path or path[:2] == ("sampler_state", "state") or path == ("skip",)
     rng_words = path[-1] in ("rng", "rng_start", "rng_next")
     if not users and not rng_words and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
