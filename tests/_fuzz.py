@@ -147,7 +147,9 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     # are a valid state. Such edits are the digest's to catch (unsigned ones below).
     # A pending skip is an instruction (load_state_dict(skip=...) writes it): a re-signed
     # one is a skip asked for, and changes the stream as documented.
-    users = "data" in path or path[:2] == ("sampler_state", "state") or path == ("skip",)
+    # A re-signed reordering of the whole ledger list is as coherent as a real state when
+    # the counts allow it (ledgers carry no worker index yet): the digest's to catch.
+    users = "data" in path or path[:2] == ("sampler_state", "state") or path in (("skip",), ("workers",))
     rng_words = path[-1] in ("rng", "rng_start", "rng_next")
     if not users and not rng_words and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
