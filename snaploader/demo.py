@@ -110,7 +110,7 @@ def trainer(kind: str, workdir: Path, kill_worker: bool) -> None:
             logged += 1
             done = step + 1
             if kill_worker and kind == "snaploader" and (epoch, step) == _WORKER_KILL_AT:
-                pid = iterator.pool.workers[1].pid
+                pid = iterator.worker_pids[1]
                 os.kill(pid, signal.SIGKILL)
                 print(f"WORKER-KILLED {pid}", flush=True)
             for warning in caught:
