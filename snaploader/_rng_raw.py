@@ -129,7 +129,7 @@ class _NumpyRaw(_MTAccess):
         self.gauss.value = gauss
 
 
-def _agree(fast: _MTAccess, slow: _MTAccess, draw: Any) -> bool:
+def agree(fast: Any, slow: Any, draw: Any) -> bool:
     """True when ``fast`` reads and writes exactly what ``slow`` (the public API) does,
     with and without a cached gaussian."""
     try:
@@ -154,7 +154,7 @@ def _probe_python() -> type[_MTAccess]:
         rng.random()
         rng.gauss(0.0, 1.0)
 
-    if sys.implementation.name == "cpython" and _agree(
+    if sys.implementation.name == "cpython" and agree(
         _PyRandomRaw(rng), _PyRandomSlow(rng), draw
     ):
         return _PyRandomRaw
@@ -189,7 +189,7 @@ def _probe_numpy() -> Any:
         rng.random_sample()
         rng.standard_normal()
 
-    if _agree(_NumpyRaw(rng, offset), _NumpySlow(rng), draw):
+    if agree(_NumpyRaw(rng, offset), _NumpySlow(rng), draw):
         return lambda r: _NumpyRaw(r, offset)
     return _NumpySlow
 
