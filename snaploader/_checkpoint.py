@@ -5,10 +5,10 @@ None; ``_plain.py``), so ``json.dumps`` and ``torch.load(weights_only=True)`` bo
 it. It is untrusted input on load: :func:`read_state` checks every field's type, range
 and consistency with the others and with the loader, and an integrity digest, before
 anything forks; every problem is a :class:`CheckpointFormatError` naming the key path.
-Layout (version 2)::
+Layout (version 3; version 2 is read too, see ``_layout.READABLE_VERSIONS``)::
 
     format         "snaploader"
-    version        2
+    version        3
     digest         "sha256:<hex>" over the rest (see :func:`digest_of`)
     fingerprint    {dataset_kind, dataset_length, batch_size, num_workers, drop_last,
                     sampler, batch_sampler, persistent_workers, generator}
@@ -23,13 +23,17 @@ Layout (version 2)::
     sampler_state  {state, done}: the stateful sampler's state before the next batch
                    (done: it has nothing left this epoch), or None
     sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
+    logical_workers the epoch's logical worker count (0: num_workers=0's main-process
+                   contract); the stream's, whatever num_workers resumes it
+                   (NOTE [ logical workers ] in _host.py)
     skip           batches still to skip before the next one is yielded (a skip asked
                    with ``load_state_dict(skip=...)`` and not yet carried out; it
                    applies to the next epoch when ``ended``); absent in older files: 0
     next_batches   per worker, {produced, digest} of its next batch when it had already
                    arrived (the resume self-check, _selfcheck.py), or None
     workers        one ledger per logical worker (see _ledger.py):
-                   {epoch_start, yielded, yielded_complete, exhausted, skipped}
+                   {worker, epoch_start, yielded, yielded_complete, exhausted, skipped}
+                   (worker: its logical index, equal to its place in the list)
                    (skipped: map-style batches of the worker's share a skip passed
                    over since its last snapshot; absent in older files: 0), each snapshot
                    {rng (base64), produced, data, data_owner, complete, exhausted,
@@ -55,6 +59,7 @@ from ._layout import (
     LoaderFacts,
     check_consistent,
     digest_of,
+    logical_workers_of,
     sha256_of,
     validate,
 )
@@ -79,10 +84,12 @@ def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
     }
 
 
-def _ledger_to_plain(ledger: WorkerLedger, where: str) -> tuple[dict[str, Any], str]:
+def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any], str]:
     """A ledger as plain data and its digest, computed once per (immutable) ledger."""
-    if ledger.cache:
+    if ledger.cache and ledger.cache[0][0]["worker"] == worker:
         return ledger.cache[0]
+    ledger.cache.clear()
+    where = f"worker {worker}'s state"
 
     def plain(snapshot: Snapshot | None, key: str) -> dict[str, Any] | None:
         return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]")
@@ -94,6 +101,7 @@ def _ledger_to_plain(ledger: WorkerLedger, where: str) -> tuple[dict[str, Any], 
     needs_start = at is None or not at.complete
     same = ledger.yielded_complete is at and at is not None
     out = {
+        "worker": worker,
         "epoch_start": plain(ledger.epoch_start, "epoch_start") if needs_start else None,
         "yielded": plain(at, "yielded"),
         "yielded_complete": SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete"),
@@ -115,10 +123,11 @@ def _copy(value: Any) -> Any:
 
 
 def build_state(
-    fingerprint: Fingerprint, progress: EpochProgress | None, source: RngSource
+    fingerprint: Fingerprint, progress: EpochProgress | None, source: RngSource, logical: int
 ) -> dict[str, Any]:
-    """The checkpoint of a loader whose current (or last) epoch is ``progress``.
-    Reads ``progress.position`` once, so it is consistent from any thread."""
+    """The checkpoint of a loader of ``logical`` logical workers whose current (or
+    last) epoch is ``progress``. Reads ``progress.position`` once, so it is consistent
+    from any thread."""
     state: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -131,7 +140,7 @@ def build_state(
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
             base_seed=None, drew_base_seed=True, sampler_state=None, sampler_epoch=None,
-            skip=0,
+            skip=0, logical_workers=logical,
         )
     else:
         position: Position = progress.position
@@ -150,10 +159,9 @@ def build_state(
             sampler_state=sampler_state,
             sampler_epoch=progress.sampler_epoch,
             skip=position.skip,
+            logical_workers=progress.logical,
         )
-        ledgers = [
-            _ledger_to_plain(ledger, f"worker {w}'s state") for w, ledger in enumerate(position.workers)
-        ]
+        ledgers = [_ledger_to_plain(ledger, w) for w, ledger in enumerate(position.workers)]
         next_batches = [
             None if entry is None else {"produced": entry[0], "digest": entry[1]}
             for entry in progress.next_digests()
@@ -198,6 +206,15 @@ def _ledger_from_plain(plain: dict[str, Any], where: str) -> WorkerLedger:
     )
 
 
+def _carried_dataset_state(ledgers: list[WorkerLedger], logical: int) -> Any:
+    if logical != 0 or not ledgers:
+        return None
+    last = ledgers[0].yielded or ledgers[0].epoch_start
+    if last is None or last.data_owner != "dataset" or not last.complete:
+        return None
+    return last.data
+
+
 @dataclass(frozen=True)
 class Restore:
     """What a validated checkpoint asks of a loader: the next epoch's start, and for a
@@ -207,23 +224,24 @@ class Restore:
     ledgers: list[WorkerLedger]
     sampler_state: Any
     rng_next: bytes | None
+    # num_workers=0 iterates the dataset object itself, so what its own state_dict()
+    # held at the end of a finished epoch carries into the next, as in torch: the
+    # loader's dataset is set to it (None: nothing to set).
+    dataset_state: Any = None
 
 
 def read_state(
     state: Any, mine: Fingerprint, allowed: frozenset[str], facts: LoaderFacts, persistent: bool
 ) -> Restore:
     """Validate ``state`` in full against this loader and say how to resume from it.
-    ``facts.slots`` is this loader's; a checkpoint from another worker count is
-    accepted only with ``allow_mismatch=("num_workers",)``, and then its workers start
-    freshly seeded."""
+    The epoch it describes goes on with its own logical worker count, whatever this
+    loader's ``num_workers``; the epochs after it have this loader's (``facts.logical``;
+    NOTE [ logical workers ] in _host.py)."""
     validate(state)
     check_fingerprint(state, mine, allowed)
-    saved_slots = max(1, state["fingerprint"]["num_workers"]) if isinstance(state["fingerprint"]["num_workers"], int) else facts.slots
-    same_slots = saved_slots == facts.slots
-    check_consistent(state, replace(facts, slots=saved_slots))
+    logical = logical_workers_of(state)
+    check_consistent(state, replace(facts, slots=max(1, logical)))
     ledgers = [_ledger_from_plain(plain, f"loader state['workers'][{w}]") for w, plain in enumerate(state["workers"])]
-    if not same_slots:
-        ledgers = []  # num_workers differs (allowed): workers start freshly seeded
     sampler_state = state["sampler_state"]
     if sampler_state is not None:
         sampler_state = {
@@ -231,31 +249,33 @@ def read_state(
             "done": sampler_state["done"],
         }
     if state["ended"]:
-        if persistent and state["epoch"] >= 0 and ledgers:
+        if persistent and state["epoch"] >= 0 and ledgers and logical == facts.logical:
             start = EpochStart(
                 epoch=state["epoch"] + 1,
                 base_seed=state["base_seed"],
                 draw_base_seed=False,
                 workers=[ledger.next_epoch() for ledger in ledgers],
                 skip=state.get("skip", 0),
+                logical=logical,
             )
         else:
             start = EpochStart(epoch=state["epoch"] + 1, skip=state.get("skip", 0))
         rng_next = None if state["rng_next"] is None else _plain.unb64(state["rng_next"], "rng_next")
-        return Restore(start, ledgers, sampler_state, rng_next)
+        return Restore(start, ledgers, sampler_state, rng_next, _carried_dataset_state(ledgers, logical))
     expected = [None if e is None else (e["produced"], e["digest"]) for e in state["next_batches"]]
     start = EpochStart(
         epoch=state["epoch"],
-        expected_digests=expected if ledgers else None,
+        expected_digests=expected,
         restore_rng=_plain.unb64(state["rng_start"], "loader state['rng_start']"),
         base_seed=state["base_seed"],
         draw_base_seed=state["drew_base_seed"],
         yielded=state["yielded"],
-        turn=state["turn"] if ledgers else 0,
-        workers=ledgers or None,
+        turn=state["turn"],
+        workers=ledgers,
         sampler_state=sampler_state,
         sampler_epoch=state["sampler_epoch"],
         skip=state.get("skip", 0),
+        logical=logical,
     )
     return Restore(start, ledgers, None, None)
 

@@ -22,6 +22,11 @@ FINGERPRINT_KEYS: Final = (
     "generator",
 )
 
+# Recorded, never a mismatch: the processes do not define the stream, the logical
+# workers do, and a checkpoint resumes exactly with any num_workers (docs/elastic.md).
+_ANY_VALUE: Final = frozenset({"num_workers"})
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     """What a checkpoint was taken from; compared on load."""
@@ -31,7 +36,7 @@ class Fingerprint:
     def mismatches(self, saved: dict[str, Any], allowed: frozenset[str]) -> list[str]:
         lines = []
         for key in FINGERPRINT_KEYS:
-            if key in allowed:
+            if key in allowed or key in _ANY_VALUE:
                 continue
             if saved.get(key) != self.values[key]:
                 lines.append(f"  {key}: {saved.get(key)!r} in checkpoint / {self.values[key]!r} in this loader")

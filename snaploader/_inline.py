@@ -1,11 +1,17 @@
-"""``num_workers=0``: one worker slot run in the main process, behind the runner interface.
+"""``num_workers=0``: the logical workers run in the main process, behind the runner interface.
 
-torch's contract at ``num_workers=0`` stays (the dataset is loaded in the main
-process), but the data stream keeps its own RNG states: the slot is seeded like worker
-0 of a one-worker loader, and its Python, NumPy and torch RNG states are swapped in
-around each call and swapped out after it. So the training loop's own draws (dropout,
-its own shuffles) never touch the data stream, and the other way round; and a
+Ordinarily there is one slot, for 0 logical workers: torch's contract at
+``num_workers=0`` stays (``get_worker_info()`` is None, no ``worker_init_fn``, the
+dataset object itself is loaded from), but the data stream keeps its own RNG states:
+the slot is seeded like worker 0, and its Python, NumPy and torch RNG states are
+swapped in around each call and swapped out after it. So the training loop's own draws
+(dropout, its own shuffles) never touch the data stream, and the other way round; and a
 checkpoint resumes it exactly, as it resumes a worker process.
+
+A checkpoint taken with W >= 1 logical workers resumed at ``num_workers=0`` (or
+``DataLoader(num_workers=0, logical_workers=W)``) runs W slots here, each a logical
+worker with its own copy of the setup, worker info and RNG states, as a worker process
+hosting them would (NOTE [ logical workers ] in ``_host.py``).
 
 A task is run when its result is asked for (``next_result``), not when it is sent: the
 iterator sends one task ahead, and running it early would do a batch's work before
@@ -34,7 +40,9 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from ._protocol import Result, Resume, Task, WorkerSetup
+from ._host import copy_setup
+from ._plain import check_plain
+from ._protocol import Result, Resume, Snapshot, Task, WorkerSetup, has_state_protocol
 from ._errors import user_stacklevel
 from ._rng import NativeRng
 from ._runner import Runner
@@ -44,41 +52,53 @@ _T = TypeVar("_T")
 
 
 class InlineRunner(Runner):
-    """The single slot of a ``num_workers=0`` loader, run in this process."""
+    """The slots of a ``num_workers=0`` loader, run in this process."""
 
     def __init__(self, setup: WorkerSetup) -> None:
-        super().__init__(1)
-        # NOTE [ collate in the main process ]: torch's default_collate allocates its
-        # output in shared memory whenever get_worker_info() answers; here that would
-        # hold an fd and /dev/shm space per live batch, so collate runs without it.
-        setup = replace(setup, collate_fn=_collate_outside_worker(setup.collate_fn))
-        self.runtime = WorkerRuntime(setup, 0, in_main_process=True)
-        self.rng: NativeRng | None = None  # the slot's RNG states while swapped out
+        super().__init__(setup.num_workers)
+        slots = self.count
+        self.runtimes = []
+        for slot in range(slots):
+            # Logical workers each get their own copy, as a worker process would; the
+            # main-process contract uses the user's objects themselves.
+            own = setup if setup.num_workers == 0 else copy_setup(setup, fresh=True)
+            # NOTE [ collate in the main process ]: torch's default_collate allocates its
+            # output in shared memory whenever get_worker_info() answers; here that would
+            # hold an fd and /dev/shm space per live batch, so collate runs without it.
+            own = replace(own, collate_fn=_collate_outside_worker(own.collate_fn))
+            self.runtimes.append(WorkerRuntime(own, slot, in_main_process=True))
+        # Per slot, its RNG states while swapped out.
+        self.rng: list[NativeRng | None] = [None] * slots
         self.warned_threads = False
         # The generator objects the slot's code holds are swapped the same way: the
         # dataset is the user's object here, and between calls its generators are left
         # as a worker process would leave the main process's copy: untouched. So every
         # epoch starts them where a fresh worker would (num_workers=0 is 1's stream).
-        self.object_states: list[bytes] | None = None
-        self._call(self.runtime.initialize)
+        self.object_states: list[list[bytes] | None] = [None] * slots
+        for slot, runtime in enumerate(self.runtimes):
+            self._call(slot, runtime.initialize)
 
     @property
     def worker_pids(self) -> list[int]:
         return []
 
-    def _call(self, fn: Callable[[], _T], rng_after: Callable[[_T], NativeRng | None] | None = None) -> _T:
-        """Run ``fn`` as worker 0: its RNG states and worker info swapped in.
-        ``rng_after`` picks the slot's states out of ``fn``'s return value when it
+    def _call(
+        self, slot: int, fn: Callable[[], _T], rng_after: Callable[[_T], NativeRng | None] | None = None
+    ) -> _T:
+        """Run ``fn`` as logical worker ``slot``: its RNG states and worker info swapped
+        in. ``rng_after`` picks the slot's states out of ``fn``'s return value when it
         took them last thing (a batch's snapshot), saving one more copy."""
+        runtime = self.runtimes[slot]
         main_rng = NativeRng.take()
         main_info = torch_worker._worker_info
-        objects = self.runtime.objects
+        objects = runtime.objects
         outside = objects.read_all()
-        if self.rng is not None:
-            self.rng.put()
-        if self.object_states is not None:
-            objects.write_all(self.object_states)
-        set_worker_info(self.runtime.info)
+        rng, object_states = self.rng[slot], self.object_states[slot]
+        if rng is not None:
+            rng.put()
+        if object_states is not None:
+            objects.write_all(object_states)
+        set_worker_info(runtime.info)
         taken: NativeRng | None = None
         try:
             out = fn()
@@ -86,12 +106,12 @@ class InlineRunner(Runner):
                 taken = rng_after(out)
             return out
         finally:
-            self.rng = taken if taken is not None else NativeRng.take(self.runtime.seed_rng)
+            self.rng[slot] = taken if taken is not None else NativeRng.take(runtime.seed_rng)
             if taken is not None and not self.warned_threads and threading.active_count() > 1:
                 self._check_no_other_draws(taken)
             # resume() may have found the objects anew: take the slot's states from the
             # current ones, put the outside states back into those they were read from
-            self.object_states = self.runtime.objects.read_all()
+            self.object_states[slot] = runtime.objects.read_all()
             objects.write_all(outside)
             main_rng.put()
             set_worker_info(main_info)
@@ -113,15 +133,29 @@ class InlineRunner(Runner):
             stacklevel=user_stacklevel(),
         )
 
+    def own_epoch_start(self) -> Snapshot | None:
+        runtime = self.runtimes[0]
+        dataset = runtime.dataset
+        if not runtime.main_contract or not runtime.setup.state_protocol or not has_state_protocol(dataset):
+            return None
+        if runtime.seed_rng is None:
+            raise RuntimeError("the main-process slot was never initialized")
+        data = dataset.state_dict()
+        check_plain(data, f"{type(dataset).__qualname__}.state_dict()")
+        # the fresh seed state: resume() restores it, then calls iter(dataset), as now
+        return Snapshot(runtime.seed_rng, 0, runtime._copied(data), "dataset", True)
+
     def _transmit(self, slot: int, msg: Resume | Task) -> None:
         if isinstance(msg, Resume):
-            self._call(lambda: self.runtime.resume(msg))
+            runtime = self.runtimes[slot]
+            self._call(slot, lambda: runtime.resume(msg))
 
     def next_result(self, slot: int) -> tuple[Task, Result]:
         state = self.slots[slot]
         if not state.received:
             task = state.outstanding[0]
-            result = self._call(lambda: self.runtime.run(task), _native_rng_of)
+            runtime = self.runtimes[slot]
+            result = self._call(slot, lambda: runtime.run(task), _native_rng_of)
             self.accept(slot, result)
         task, result, _ = state.pop()
         return task, result
@@ -133,7 +167,7 @@ class InlineRunner(Runner):
             state.outstanding.clear()
 
     def close(self) -> None:
-        self.rng = None
+        self.rng = [None] * self.count
 
 
 def _native_rng_of(result: Result) -> NativeRng | None:

@@ -111,7 +111,14 @@ def _summarize_v2(state: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-_SUMMARIZERS: Final = {1: _summarize_v1, 2: _summarize_v2}
+def _summarize_v3(state: dict[str, Any]) -> dict[str, Any]:
+    # Version 3 adds the logical worker count (docs/elastic.md) and each ledger's index.
+    summary = _summarize_v2(state)
+    summary["logical_workers"] = state.get("logical_workers")
+    return summary
+
+
+_SUMMARIZERS: Final = {1: _summarize_v1, 2: _summarize_v2, 3: _summarize_v3}
 
 
 def summarize(state: dict[str, Any]) -> dict[str, Any]:

@@ -93,7 +93,8 @@ class SnapIterator:
         source = RngSource(settings.generator)
         restoring = start.restore_rng is not None
         rng_start = start.restore_rng if start.restore_rng is not None else source.get_state()
-        workers = list(start.workers or [WorkerLedger() for _ in range(settings.slots)])
+        logical = settings.logical_workers if start.logical is None else start.logical
+        workers = list(start.workers or [WorkerLedger() for _ in range(max(1, logical))])
         yielded, skip, expected = start.yielded, start.skip, start.expected_digests
         if skip and not settings.iterable:
             # Map-style: the plan skips the indices and each worker keeps its snapshot,
@@ -122,6 +123,7 @@ class SnapIterator:
                 position=Position(yielded=yielded, turn=start.turn, workers=tuple(workers), skip=skip),
                 sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
                 plan_skip=yielded,
+                logical=logical,
             )
             self._warn_or_refuse_replay()
             self._ready_workers(base_seed)
@@ -143,14 +145,25 @@ class SnapIterator:
         """Start the workers (or reuse persistent ones) and position each for the epoch."""
         runner = self.runner
         # Persistent workers still busy with an abandoned epoch would answer old tasks
-        # first; start them afresh from the ledger instead.
-        if runner is None or runner.busy() or self.base_seed != base_seed:
+        # first; start them afresh from the ledger instead. Workers started for another
+        # logical worker count (the epoch a checkpoint of another count resumed) too.
+        if (
+            runner is None
+            or runner.busy()
+            or self.base_seed != base_seed
+            or runner.logical != self.progress.logical
+        ):
             self._stop_workers()
             self.base_seed = base_seed
             runner = self.runner = self._start_runner(base_seed)
         # Persistent workers too are put at their epoch-start state explicitly, so a
         # worker respawned last epoch cannot drift from the ledger.
         runner.begin_epoch(self.progress)
+        first = self.progress.workers[0]
+        if first.epoch_start is None and first.yielded is None:
+            own = runner.own_epoch_start()
+            if own is not None:
+                self.progress.set_epoch_start(own)
         for slot, ledger in enumerate(self.progress.workers):
             runner.send(slot, resume_after(ledger))
 
@@ -182,7 +195,7 @@ class SnapIterator:
             drop_last=settings.drop_last,
             collate_fn=settings.collate_fn,
             worker_init_fn=settings.worker_init_fn,
-            num_workers=settings.slots,
+            num_workers=self.progress.logical,
             base_seed=base_seed,
             state_every=settings.snapshot_every,
             digests=settings.check_resume and settings.num_workers > 0,
@@ -196,8 +209,8 @@ class SnapIterator:
             return inline
         runner = ProcessRunner(
             setup,
-            settings.num_workers,
             settings.context,
+            processes=settings.num_workers,
             timeout_s=settings.timeout_s,
             max_retries=settings.max_worker_retries,
         )
@@ -227,13 +240,14 @@ class SnapIterator:
             return
         if self.plan is None:
             return
-        limit = self.progress.yielded + settings.prefetch * settings.slots
+        slots = self.progress.slots
+        limit = self.progress.yielded + settings.prefetch * slots
         while not self.plan_done and self.dispatched < limit:
             indices = self.plan.take()
             if indices is None:
                 self.plan_done = True
                 break
-            runner.send(self.dispatched % settings.slots, Task(self.dispatched, indices))
+            runner.send(self.dispatched % slots, Task(self.dispatched, indices))
             self.dispatched += 1
 
     # -- yielding ------------------------------------------------------------------
@@ -263,7 +277,7 @@ class SnapIterator:
         progress = self.progress
         if progress.expected_digests and result.kind is Kind.BATCH:
             self._self_check(slot, result)
-        turn = (slot + 1) % self.settings.slots if self.settings.iterable else progress.position.turn
+        turn = (slot + 1) % progress.slots if self.settings.iterable else progress.position.turn
         progress.advance(slot, result.snapshot, turn=turn, yielded=True)
         self._dispatch()
         if self.settings.check_resume and self.runner is not None:
@@ -288,7 +302,7 @@ class SnapIterator:
         runner = self.runner
         if runner is None:
             return None
-        slots = self.settings.slots
+        slots = progress.slots
         if not self.settings.iterable:
             if self.plan_done and progress.yielded >= self.dispatched:
                 return None
@@ -328,7 +342,7 @@ class SnapIterator:
             slot, _, result = found
             if progress.expected_digests and result.kind is Kind.BATCH:
                 self._self_check(slot, result)
-            progress.advance(slot, result.snapshot, turn=(slot + 1) % self.settings.slots, yielded=True)
+            progress.advance(slot, result.snapshot, turn=(slot + 1) % progress.slots, yielded=True)
             self._dispatch()
 
     def _self_check(self, slot: int, result: Result) -> None:
@@ -362,6 +376,8 @@ class SnapIterator:
     def _where(self, slot: int, task: Task) -> str:
         if self.settings.num_workers == 0:
             place = "in the main process (num_workers=0)"
+        elif self.settings.num_workers != self.progress.slots:
+            place = f"in DataLoader logical worker {slot}"
         else:
             place = f"in DataLoader worker process {slot}"
         epoch = self.progress.epoch

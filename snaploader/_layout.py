@@ -20,7 +20,10 @@ from ._objects import check_objects
 from ._rng import RngSource, check_rng
 
 FORMAT: Final = "snaploader"
-VERSION: Final = 2
+VERSION: Final = 3
+# Version 2 lacks ``logical_workers`` (it was the fingerprint's num_workers) and each
+# ledger's ``worker``; read_state fills both in.
+READABLE_VERSIONS: Final = (2, 3)
 SAME_AS_YIELDED: Final = "same as yielded"
 _OWNERS: Final = (None, "dataset", "iterator")
 
@@ -75,6 +78,9 @@ _LEDGER_FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "exhausted": (bool,),
 }
 
+_TOP_FIELDS_3: Final = {**_TOP_FIELDS, "logical_workers": (int,)}
+_LEDGER_FIELDS_3: Final = {"worker": (int,), **_LEDGER_FIELDS}
+
 _SNAPSHOT_FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "rng": (str,),
     "produced": (int,),
@@ -111,10 +117,11 @@ class LoaderFacts:
     """What a checkpoint must agree with about the loader it is loaded into."""
 
     iterable: bool
-    slots: int  # worker slots of the loader the checkpoint was taken from
+    slots: int  # logical worker slots of the epoch the checkpoint describes
     dataset_has_protocol: bool  # and the loader uses it (state_protocol)
     batches_per_epoch: int | None  # map-style, when the sampler has a length
     state_protocol: bool = True  # the loader's option of that name
+    logical: int = 1  # the loader's logical worker count (for its new epochs)
 
 
 def validate(state: Any) -> None:
@@ -123,17 +130,20 @@ def validate(state: Any) -> None:
     _check_fields("loader state", state, {"format": (str,), "version": (int,)})
     if state["format"] != FORMAT:
         raise _fail("loader state['format']", f"is {state['format']!r}, expected {FORMAT!r}")
-    if state["version"] != VERSION:
+    version = state["version"]
+    if version not in READABLE_VERSIONS:
         raise _fail(
             "loader state['version']",
-            f"is {state['version']}; this snaploader reads version {VERSION}. Resume with the "
-            "snaploader release that wrote it, or start the epoch afresh",
+            f"is {version}; this snaploader reads versions {READABLE_VERSIONS}. Resume with "
+            "the snaploader release that wrote it, or start the epoch afresh",
         )
-    _check_fields("loader state", state, _TOP_FIELDS)
+    _check_fields("loader state", state, _TOP_FIELDS if version == 2 else _TOP_FIELDS_3)
     workers = state["workers"]
     for w, ledger in enumerate(workers):
         where = f"loader state['workers'][{w}]"
-        _check_fields(where, ledger, _LEDGER_FIELDS)
+        _check_fields(where, ledger, _LEDGER_FIELDS if version == 2 else _LEDGER_FIELDS_3)
+        if version > 2 and ledger["worker"] != w:
+            raise _fail(f"{where}['worker']", f"is {ledger['worker']}; the ledger of logical worker {w} belongs at index {w}")
         complete = ledger["yielded_complete"]
         if isinstance(complete, str) and complete != SAME_AS_YIELDED:
             raise _fail(f"{where}['yielded_complete']", f"should be a snapshot, None or {SAME_AS_YIELDED!r}")
@@ -160,6 +170,8 @@ def validate(state: Any) -> None:
     check_count("loader state['skip']", state.get("skip", 0))
     for w, ledger in enumerate(workers):
         check_count(f"loader state['workers'][{w}]['skipped']", ledger.get("skipped", 0))
+    if version > 2 and state["logical_workers"] < 0:
+        raise _fail("loader state['logical_workers']", f"is {state['logical_workers']}; expected >= 0")
     if state["epoch"] < -1 or state["yielded"] < 0:
         raise _fail("loader state", f"has epoch {state['epoch']} and yielded {state['yielded']}; epoch must be >= -1 and yielded >= 0")
     sampler_state = state["sampler_state"]
@@ -204,6 +216,17 @@ def validate(state: Any) -> None:
         raise _fail("loader state['sampler_epoch']", f"is {state['sampler_epoch']}; expected >= 0")
 
 
+def logical_workers_of(state: dict[str, Any]) -> int:
+    """The logical worker count of a validated state (version 2: the saving loader's
+    num_workers, which was the same thing then)."""
+    if state["version"] == 2:
+        value = state["fingerprint"]["num_workers"]
+        if type(value) is not int or value < 0:
+            raise _fail("loader state['fingerprint']['num_workers']", f"should be an int >= 0, got {value!r:.60}")
+        return int(value)
+    return int(state["logical_workers"])
+
+
 def check_count(where: str, value: Any) -> None:
     # The skip fields came after version 2 was first written: absent means 0.
     if type(value) is not int or value < 0:
@@ -226,8 +249,8 @@ def check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
     if len(workers) != facts.slots:
         raise _fail(
             "loader state['workers']",
-            f"has {len(workers)} ledgers for a loader with {facts.slots} worker slot(s) "
-            f"(fingerprint num_workers {state['fingerprint'].get('num_workers')!r})",
+            f"has {len(workers)} ledgers for {facts.slots} logical worker slot(s) "
+            f"(logical_workers {logical_workers_of(state)!r})",
         )
     turn, yielded = state["turn"], state["yielded"]
     if not 0 <= turn < facts.slots or (not facts.iterable and turn != 0):

@@ -158,9 +158,22 @@ class EpochProgress:
     # "one batch back", for a consumer that reads one batch ahead (Lightning's fetcher;
     # _lookback.py).
     previous: Position | None = field(default=None, repr=False)
+    # The logical worker count of the epoch (NOTE [ logical workers ] in _host.py): 0
+    # for the main-process contract of num_workers=0; one ledger per slot, max(1, it).
+    logical: int = 1
+
+    @property
+    def slots(self) -> int:
+        return len(self.position.workers)
 
     def __post_init__(self) -> None:
         self.received_digests = [{} for _ in self.position.workers]
+
+    def set_epoch_start(self, snapshot: Snapshot) -> None:
+        """Record the epoch-start state of the single slot of the main-process
+        contract (``Runner.own_epoch_start``), before anything is yielded."""
+        (ledger,) = self.position.workers
+        self.position = replace(self.position, workers=(replace(ledger, epoch_start=snapshot, cache=[]),))
 
     def note_digest(self, slot: int, produced: int, digest: str) -> None:
         self.received_digests[slot][produced] = digest
@@ -239,18 +252,22 @@ class EpochStart:
     sampler_epoch: int | None = None
     expected_digests: list[tuple[int, str] | None] | None = None  # the self-check's
     skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
+    logical: int | None = None  # the epoch's logical worker count (None: the loader's)
 
     @staticmethod
-    def after(progress: EpochProgress, persistent: bool) -> EpochStart:
-        """The epoch after ``progress``'s: persistent workers carry their RNG states
-        and base seed over, as torch's persistent workers do."""
-        if not persistent:
+    def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:
+        """The epoch after ``progress``'s, for a loader of ``logical`` logical workers:
+        persistent workers carry their RNG states and base seed over, as torch's
+        persistent workers do, when the count is the same; otherwise the epoch begins
+        as a new loader's would (docs/elastic.md)."""
+        if not persistent or progress.logical != logical:
             return EpochStart(epoch=progress.epoch + 1)
         return EpochStart(
             epoch=progress.epoch + 1,
             base_seed=progress.base_seed,
             draw_base_seed=False,
             workers=[ledger.next_epoch() for ledger in progress.workers],
+            logical=logical,
         )
 
 

@@ -85,6 +85,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     * ``exclude_rngs`` (paths, or a predicate ``(path, generator) -> bool``): generator
       objects not to capture; a path leaves out everything under it.
       :meth:`captured_rngs` lists what is captured.
+    * ``logical_workers`` (int or None, default None: ``num_workers``): the worker count
+      that defines the stream (batch k from logical worker k mod W, each seeded and
+      given ``get_worker_info()`` as torch's worker k), hosted by ``num_workers``
+      processes (the main process at 0). A checkpoint resumes exactly whatever the
+      ``num_workers`` of the loader it is loaded into; see ``docs/elastic.md``.
     * ``state_protocol`` (bool, default True): use the dataset's (or its iterator's)
       own ``state_dict()``/``load_state_dict()`` in checkpoints. False ignores them:
       an iterable is then resumed by replaying from the epoch start, exactly, which
@@ -122,6 +127,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         exclude_rngs: Iterable[str] | Callable[[str, Any], bool] = (),
         snapshot_every_n_steps: int | None = None,
         state_protocol: bool = True,
+        logical_workers: int | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -180,6 +186,21 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         if not isinstance(state_protocol, bool):
             raise ValueError(f"state_protocol should be True or False, got {state_protocol!r}")
         self.state_protocol = state_protocol
+        if logical_workers is None:
+            logical_workers = num_workers
+        if not isinstance(logical_workers, int) or isinstance(logical_workers, bool) or logical_workers < 0:
+            raise ValueError(
+                f"logical_workers should be an int >= 0 (the worker count that defines the "
+                f"stream) or None for num_workers; got {logical_workers!r}"
+            )
+        if logical_workers == 0 and num_workers > 0:
+            raise ValueError(
+                "logical_workers=0 is num_workers=0's stream (torch's main-process "
+                "contract: the dataset object itself, no worker info); it cannot be "
+                f"hosted by num_workers={num_workers} worker processes. Pass "
+                "logical_workers >= 1, or None for num_workers"
+            )
+        self.logical_workers = logical_workers
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -220,6 +241,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             exclude_rngs=self.exclude_rngs,
             rng_census=self._rng_census,
             state_protocol=self.state_protocol,
+            logical_workers=self.logical_workers,
         )
 
     def _warn_pin_memory(self) -> None:
@@ -263,7 +285,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         previous = self._progress
         if previous is None:
             return EpochStart(epoch=0)
-        return EpochStart.after(previous, self.persistent_workers)
+        return EpochStart.after(previous, self.persistent_workers, self.logical_workers)
 
     def captured_rngs(self) -> list[tuple[str, str]]:
         """The generator objects whose states checkpoints carry, as (path, kind) pairs,
@@ -306,7 +328,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 batches = None  # a sampler without __len__
         return LoaderFacts(
             iterable=self._iterable,
-            slots=max(1, self.num_workers),
+            slots=max(1, self.logical_workers),
+            logical=self.logical_workers,
             dataset_has_protocol=self.state_protocol and has_state_protocol(self.dataset),
             state_protocol=self.state_protocol,
             batches_per_epoch=batches,
@@ -318,7 +341,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         with the same arguments, in this process or another."""
         if self._pending_state is not None:
             return dict(self._pending_state)
-        return build_state(self._fingerprint(), self._progress, RngSource(self.generator))
+        return build_state(self._fingerprint(), self._progress, RngSource(self.generator), self.logical_workers)
 
     def load_state_dict(
         self,
@@ -372,6 +395,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 stateful.load_state_dict(restore.sampler_state["state"])
         if restore.rng_next is not None and self.generator is not None:
             RngSource(self.generator).set_state(restore.rng_next)
+        if restore.dataset_state is not None:
+            getattr(self.dataset, "load_state_dict")(restore.dataset_state)
         self._pending = restore.start
         self._pending_state = dict(state)
         self._progress = None

@@ -47,7 +47,7 @@ def state_dict_as_of(loader: DataLoader, yielded: int) -> dict[str, Any]:
         )
     behind = copy.copy(progress)
     behind.position = previous
-    return build_state(loader._fingerprint(), behind, RngSource(loader.generator))
+    return build_state(loader._fingerprint(), behind, RngSource(loader.generator), loader.logical_workers)
 
 
 def state_dict_ending_epoch(loader: DataLoader) -> dict[str, Any]:
@@ -60,5 +60,5 @@ def state_dict_ending_epoch(loader: DataLoader) -> dict[str, Any]:
         return loader.state_dict()
     ending = copy.copy(progress)
     ending.end()
-    return build_state(loader._fingerprint(), ending, RngSource(loader.generator))
+    return build_state(loader._fingerprint(), ending, RngSource(loader.generator), loader.logical_workers)
 

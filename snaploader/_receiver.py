@@ -1,13 +1,21 @@
 """Worker processes seen from the main process: send, wait, receive, and survive deaths.
 
 ```
-  send(slot, Task) ──► task pipe of worker slot (recorded as outstanding)
+  send(slot, Task) ──► task pipe of the process hosting logical worker slot
+                       (recorded as outstanding, and in the process's send order)
   next_result(slot): Pool.wait(result pipes + sentinels)
       ├─ Result ──► unpickled at once, while its sender lives ──► slot.received
-      └─ death  ──► keep every complete result it sent, respawn the slot from the
-                    snapshot after its last received batch, re-send what is
-                    outstanding (NOTE [ poison batch ], NOTE [ restart storms ])
+      └─ death  ──► keep every complete result it sent, respawn the process with each
+                    logical worker it hosted at the snapshot after its last received
+                    batch, re-send what is outstanding, in the order first sent
+                    (NOTE [ poison batch ], NOTE [ restart storms ])
 ```
+
+Runner slots are logical workers; pool slots are processes (NOTE [ logical workers ] in
+``_host.py``): logical worker ``w`` lives in process ``w % processes``. A process
+answers its tasks in the order they were sent, whatever logical worker they are for,
+so ``order[process]`` (the logical worker of each unanswered task, oldest first) says
+whose answer comes next.
 
 - ``timeout > 0`` bounds each wait for a batch, as in torch. Otherwise the wait is on
   pipes and sentinels together, so it wakes on either a result or a death, never by
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import pickle
 import resource
+from collections import deque
 import time
 import warnings
 from multiprocessing.connection import wait
@@ -41,9 +50,9 @@ from ._errors import WorkerCrashedError, WorkerRespawnedWarning, short_indices, 
 from ._ledger import EpochProgress, resume_after
 from ._exits import describe_exit, likely_cause, torch_wording
 from ._pool import Pool, WorkerProcess
+from ._host import copy_setup, fetch_mark, worker_main
 from ._protocol import Kind, Result, Resume, Task, UnreadablePayload, WorkerError, WorkerSetup, fds_of, loads_result
 from ._runner import Runner
-from ._worker import worker_main
 
 # NOTE [ restart storms ]: deaths that are not a batch's fault (killed idle, or while
 # starting or restoring) never end the run; repeated ones of a slot that has delivered
@@ -66,18 +75,23 @@ def _fd_budget() -> int:
 
 
 class ProcessRunner(Runner):
-    """``count`` worker processes, one slot each."""
+    """The logical workers of ``setup`` hosted by at most ``processes`` worker processes."""
 
     def __init__(
         self,
         setup: WorkerSetup,
-        count: int,
         context: BaseContext,
         *,
+        processes: int,
         timeout_s: float,
         max_retries: int,
     ) -> None:
-        super().__init__(count)
+        super().__init__(setup.num_workers)
+        count = self.count
+        self.processes = max(1, min(processes, count))
+        self.hosted = [tuple(range(p, count, self.processes)) for p in range(self.processes)]
+        # Per process: the logical worker of each task sent and not answered, oldest first.
+        self.order: list[deque[int]] = [deque() for _ in range(self.processes)]
         self.iterable = setup.iterable
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -85,17 +99,21 @@ class ProcessRunner(Runner):
         # (epoch, slot, None) of a worker that exited by itself before taking a task:
         # only these lead to a verdict.
         self.crashes: dict[tuple[int, int, int | None], int] = {}
-        self.storm = [0] * count  # deaths per slot since it last delivered a result
-        # slot: (when, what happened for the warning or "" for none, the retry count)
+        self.storm = [0] * self.processes  # deaths per process since it last delivered a result
+        # process: (when, what happened for the warning or "" for none, the retry count)
         self.respawn_due: dict[int, tuple[float, str, str]] = {}
         self.fd_budget = _fd_budget()
         self.held_fds = 0  # fds held by received, not yet yielded results
         payload: WorkerSetup | bytes = setup
         if context.get_start_method() != "fork":
             payload = cloudpickle.dumps(setup)
-        self.pool = Pool(context, count, worker_main, lambda slot: (payload, slot))
-        for slot in range(count):
-            self.pool.start(slot)
+        elif self.processes < count:
+            copy_setup(setup, fresh=True)  # the copies each logical worker needs: fail here, clearly
+        self.pool = Pool(
+            context, self.processes, worker_main, lambda p: (payload, p, self.hosted[p], count)
+        )
+        for process in range(self.processes):
+            self.pool.start(process)
 
     @property
     def epoch(self) -> int:
@@ -106,20 +124,31 @@ class ProcessRunner(Runner):
         return [worker.pid for worker in self.pool.workers if worker is not None]
 
     def _transmit(self, slot: int, msg: Resume | Task) -> None:
-        worker = self.pool.workers[slot]
+        if isinstance(msg, Task):
+            self.order[slot % self.processes].append(slot)
+        self._deliver(slot, msg)
+
+    def _deliver(self, slot: int, msg: Resume | Task) -> None:
+        worker = self.pool.workers[slot % self.processes]
         if worker is None:
             return  # being replaced; the respawn re-sends what is outstanding
         try:
             # A tensor in a dataset's state would travel through shared memory, and
             # sending one starts multiprocessing's resource sharer (a listener thread
             # and socket) in this process for good. A Resume is rare: send it by value.
-            worker.send(pickle.dumps(msg) if isinstance(msg, Resume) else msg)
+            worker.send((slot, pickle.dumps(msg) if isinstance(msg, Resume) else msg))
         except OSError:
             pass  # it died; the receiver sees its sentinel and re-sends what is outstanding
 
     def begin_epoch(self, progress: EpochProgress) -> None:
         super().begin_epoch(progress)
+        self.order = [deque() for _ in range(self.processes)]
         self.held_fds = 0
+
+    def _unanswered(self, process: int) -> list[tuple[int, Task]]:
+        """The tasks ``process`` owes, as (logical worker, task), in the order sent."""
+        queues = {w: iter(self.slots[w].outstanding) for w in self.hosted[process]}
+        return [(w, next(queues[w])) for w in self.order[process]]
 
     def next_result(self, slot: int) -> tuple[Task, Result]:
         state = self.slots[slot]
@@ -130,7 +159,7 @@ class ProcessRunner(Runner):
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._pump(wait_s, slot)
             if not state.received and deadline is not None and time.monotonic() >= deadline:
-                waited = self.pool.workers[slot]
+                waited = self.pool.workers[slot % self.processes]
                 pid = waited.pid if waited is not None else "?"
                 key = state.outstanding[0].key if state.outstanding else "?"
                 raise RuntimeError(
@@ -167,7 +196,8 @@ class ProcessRunner(Runner):
             until_s = max(0.0, min(due for due, _, _ in self.respawn_due.values()) - time.monotonic())
             wait_s = until_s if wait_s is None else min(wait_s, until_s)
         over = self.held_fds >= self.fd_budget
-        skip = {slot for slot in range(self.count) if over and slot != waiting}
+        mine = None if waiting is None else waiting % self.processes
+        skip = {process for process in range(self.processes) if over and process != mine}
         readable, exited = self.pool.wait(wait_s, skip)
         for worker in readable:
             if self.pool.holds(worker):
@@ -182,10 +212,16 @@ class ProcessRunner(Runner):
         """Accept, in order, the complete results waiting in ``worker``'s pipe (all of
         them when ``whole``, else within the fd budget); return how many could not be
         read (``lost`` of them before this call)."""
-        slot = worker.slot
-        state = self.slots[slot]
+        order = self.order[worker.slot]
         try:
             while worker.result.poll():
+                if not order:
+                    raise RuntimeError(
+                        f"worker process {worker.slot} sent a result no task asked for; "
+                        "the worker protocol is broken (please report this)"
+                    )
+                slot = order[0]
+                state = self.slots[slot]
                 if not whole and self.held_fds >= self.fd_budget and (slot != waiting or state.received):
                     break
                 blob = worker.result.recv_bytes()
@@ -203,9 +239,10 @@ class ProcessRunner(Runner):
                 except Exception:
                     lost += 1
                     continue
-                self.storm[slot] = 0
+                self.storm[worker.slot] = 0
                 fds = fds_of(blob) if result.kind is Kind.BATCH else 0
                 before = len(state.received)
+                order.popleft()
                 self.accept(slot, result, fds)
                 if len(state.received) > before:
                     self.held_fds += fds
@@ -231,55 +268,58 @@ class ProcessRunner(Runner):
     def _on_death(self, worker: WorkerProcess, lost: int = 0) -> None:
         if not self.pool.holds(worker):
             return  # already handled (seen both as a broken pipe and as a sentinel)
-        slot = worker.slot
+        process = worker.slot
         lost = self._drain(worker, lost, None, whole=True)  # keep every complete result it sent
         if worker.process.is_alive():
             worker.process.kill()
-        mark = self.pool.marks.get(slot)
-        self.pool.discard(slot)
+        mark = self.pool.marks.get(process)
+        self.pool.discard(process)
         exitcode = worker.process.exitcode
         how = describe_exit(exitcode)
         cause = likely_cause(exitcode, worker.messages)
-        state = self.slots[slot]
         # It answers in order: it answered the first ``lost`` outstanding tasks (the
         # answers were lost) and died on a later one, or idle. Its mark names the task
         # it was fetching (it may be past the first unanswered one when answers sent
         # after it were lost too): only that batch is to blame.
-        unanswered = list(state.outstanding)[lost:]
-        at = next((i for i, t in enumerate(unanswered) if t.key == mark), 0)
-        task = unanswered[at] if unanswered else None
-        lost += at
-        fetching = task is not None and mark == task.key
-        what = self._describe(task, fetching)
+        unanswered = self._unanswered(process)[lost:]
+        at = next((i for i, (w, t) in enumerate(unanswered) if fetch_mark(t.key, w, self.count) == mark), 0)
+        slot, task = unanswered[at] if unanswered else (self.hosted[process][0], None)
+        fetching = task is not None and mark == fetch_mark(task.key, slot, self.count)
+        what = self._describe(slot, task, fetching)
         if fetching or (exitcode or 0) > 0:
             # A worker that exits with a code before taking a task killed itself (an
             # import that fails under spawn, os._exit in worker_init_fn): that repeats.
             key = (self.epoch, slot, task.key if fetching and task is not None else None)
             self.crashes[key] = self.crashes.get(key, 0) + 1
             if self.crashes[key] > self.max_retries:
-                self._give_up(worker, slot, what, how, cause, self.crashes[key], task if fetching else None, lost)
-                if not state.outstanding:
+                self._give_up(worker, slot, what, how, cause, self.crashes[key], task if fetching else None)
+                if all(self.slots[w].failed is not None for w in self.hosted[process]):
                     return
             retry = f"retry {self.crashes[key]} of {self.max_retries}"
         else:
             retry = "not counted against any batch (it had not started one)"
-        self.storm[slot] += 1
+        self.storm[process] += 1
         delay_s = 0.0
-        if self.storm[slot] > 1:
-            delay_s = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (self.storm[slot] - 2))
-        said = "" if state.failed is not None else f"worker {slot} (pid {worker.pid}) {how} while {what}{cause}"
-        self.respawn_due[slot] = (time.monotonic() + delay_s, said, retry)
+        if self.storm[process] > 1:
+            delay_s = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (self.storm[process] - 2))
+        said = "" if self.slots[slot].failed is not None else f"{self._name(slot)} (pid {worker.pid}) {how} while {what}{cause}"
+        self.respawn_due[process] = (time.monotonic() + delay_s, said, retry)
         if delay_s == 0:
             self._respawn_when_due()
 
+    def _name(self, slot: int) -> str:
+        if self.processes == self.count:
+            return f"worker {slot}"
+        return f"worker process {slot % self.processes} (hosting logical worker {slot})"
+
     def _give_up(
         self, worker: WorkerProcess, slot: int, what: str, how: str, cause: str, times: int,
-        task: Task | None, lost: int,
+        task: Task | None,
     ) -> None:
         retries = self.max_retries
         error = WorkerCrashedError(
             f"{torch_wording(worker.pid, worker.process.exitcode)} "
-            f"worker {slot} (pid {worker.pid}) {how} while {what}{cause}, {times} times in "
+            f"{self._name(slot)} (pid {worker.pid}) {how} while {what}{cause}, {times} times in "
             f"a row; gave up after {retries} respawn(s) (max_worker_retries={retries}). "
             + ("The batch likely holds a sample that crashes the dataset code; "
                "state_dict() still resumes at this batch" if task is not None else
@@ -293,22 +333,32 @@ class ProcessRunner(Runner):
         # because their results may have been lost with this one.
         state = self.slots[slot]
         state.failed = error
-        while len(state.outstanding) > lost:
+        dropped = 0
+        while state.outstanding and state.outstanding[-1] is not task:
             state.outstanding.pop()
+            dropped += 1
+        if state.outstanding:
+            state.outstanding.pop()
+            dropped += 1
+        order = self.order[slot % self.processes]
+        for i in range(len(order) - 1, -1, -1):  # its last ``dropped`` entries go with them
+            if dropped and order[i] == slot:
+                del order[i]
+                dropped -= 1
 
     def _respawn_when_due(self) -> None:
         now = time.monotonic()
-        for slot, (due, said, retry) in list(self.respawn_due.items()):
+        for process, (due, said, retry) in list(self.respawn_due.items()):
             if due > now:
                 continue
-            del self.respawn_due[slot]
-            state = self.slots[slot]
-            new = self.pool.start(slot)
+            del self.respawn_due[process]
+            new = self.pool.start(process)
             if self.progress is not None:
-                received = [result.snapshot for _, result in state.received]
-                self._transmit(slot, resume_after(self.progress.workers[slot], received))
-            for pending in state.outstanding:
-                self._transmit(slot, pending)
+                for slot in self.hosted[process]:
+                    received = [result.snapshot for _, result in self.slots[slot].received]
+                    self._deliver(slot, resume_after(self.progress.workers[slot], received))
+            for slot, pending in self._unanswered(process):
+                self._deliver(slot, pending)
             if said:
                 warnings.warn(
                     f"{said}; respawned as pid {new.pid} from its snapshot, {retry}",
@@ -316,7 +366,7 @@ class ProcessRunner(Runner):
                     stacklevel=user_stacklevel(),
                 )
 
-    def _describe(self, task: Task | None, fetching: bool) -> str:
+    def _describe(self, slot: int, task: Task | None, fetching: bool) -> str:
         if task is None:
             return f"idle in epoch {self.epoch}"
         if self.iterable:

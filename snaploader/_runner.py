@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ._errors import WorkerCrashedError
 from ._ledger import EpochProgress
 from ._objects import RngCensus
-from ._protocol import Kind, Result, Resume, Task
+from ._protocol import Kind, Result, Resume, Snapshot, Task
 
 
 @dataclass
@@ -43,9 +43,10 @@ class Slot:
 class Runner(ABC):
     """Worker slots that answer :class:`Task` messages in order, one Result each."""
 
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.slots = [Slot() for _ in range(count)]
+    def __init__(self, logical: int) -> None:
+        self._logical = logical
+        self.count = max(1, logical)  # slots: one per logical worker (NOTE [ logical workers ])
+        self.slots = [Slot() for _ in range(self.count)]
         self.progress: EpochProgress | None = None
         self.census: RngCensus | None = None  # the loader's view of the workers' generators
 
@@ -97,6 +98,12 @@ class Runner(ABC):
     def next_result(self, slot: int) -> tuple[Task, Result]:
         """The answer to ``slot``'s oldest outstanding task; waits for it."""
 
+    def own_epoch_start(self) -> Snapshot | None:
+        """Under the main-process contract, the epoch-start state of a dataset that has
+        the state protocol and is iterated itself (its state then carries across
+        epochs, as in torch, so a checkpoint must hold it); None otherwise."""
+        return None
+
     def poll(self) -> None:
         """Take the answers that have already arrived, without waiting (so that a
         checkpoint can hold the self-check digests of prefetched batches)."""
@@ -109,6 +116,12 @@ class Runner(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the workers. Never blocks for long; safe to call twice."""
+
+    @property
+    def logical(self) -> int:
+        """The logical worker count these slots were started for (0: the main-process
+        contract, one slot)."""
+        return self._logical
 
     @property
     @abstractmethod

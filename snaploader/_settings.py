@@ -40,11 +40,7 @@ class LoaderSettings:
     exclude_rngs: Any = None
     rng_census: RngCensus | None = None
     state_protocol: bool = True
-
-    @property
-    def slots(self) -> int:
-        """Worker slots: the workers, or the one slot run in the main process."""
-        return max(1, self.num_workers)
+    logical_workers: int = 0  # the stream's worker count for a new epoch (_host.py)
 
     @property
     def prefetch(self) -> int:

@@ -1,53 +1,34 @@
 """What runs in a worker: seeding like torch, fetching like torch, the snapshot after
 every batch, and the worker process's loop.
 
-The messages are in ``_protocol.py``. A worker process exits on ``None``, on
-end-of-file of its task pipe, or when its parent is gone (a watchdog thread checks
-every ``_WATCHDOG_INTERVAL_S``, whatever the loop is doing). It never blocks forever:
-sends block only while the main process is alive to read.
+One :class:`WorkerRuntime` is one *logical* worker (NOTE [ logical workers ] in
+``_host.py``): the process loop that hosts one or more of them is in ``_host.py``. The
+same class also runs in the main process for ``num_workers=0`` (``_inline.py``), with
+the main process's RNG states swapped out around each call.
 
-The same :class:`WorkerRuntime` also runs in the main process for ``num_workers=0``
-(``_inline.py``), with the main process's RNG states swapped out around each call.
+A loader of 0 logical workers (``num_workers=0``) keeps torch's contract: its single
+runtime reports ``get_worker_info() is None``, runs no ``worker_init_fn`` and uses the
+dataset object it is given, not a copy; only its RNG states are its own, seeded like
+worker 0's.
 """
 
 from __future__ import annotations
 
-import copy
-import os
 import pickle
 import random
-import signal
-import threading
-import time
-from collections import deque
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
-import psutil
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
 from ._errors import CheckpointFormatError
 from ._objects import ObjectRngs, RngReport
 from ._plain import check_plain
-from ._protocol import (
-    Kind,
-    Result,
-    Resume,
-    Snapshot,
-    Task,
-    WorkerError,
-    WorkerSetup,
-    dumps_result,
-    has_state_protocol,
-)
-from ._pool import FetchMarks, Inherited, release_inherited
+from ._protocol import Kind, Result, Resume, Snapshot, Task, WorkerError, WorkerSetup, has_state_protocol
 from ._rng import NativeRng, RngState, capture_rng, restore_rng
 from ._selfcheck import batch_digest
-
-_WATCHDOG_INTERVAL_S: Final = 1.0
 
 def seed_like_torch(base_seed: int, worker_id: int) -> int:
     """Seed the three global RNGs exactly as torch seeds worker ``worker_id``."""
@@ -64,7 +45,11 @@ def set_worker_info(info: torch_worker.WorkerInfo | None) -> None:
 
 
 class WorkerRuntime:
-    """Produces the batches of one worker slot and the snapshot after each."""
+    """Produces the batches of one logical worker and the snapshot after each.
+
+    ``setup`` is this logical worker's own (a host gives each one it holds a copy, as
+    each torch worker process has its own); ``setup.num_workers`` is the logical worker
+    count, 0 for the main-process contract (see the module docstring)."""
 
     def __init__(self, setup: WorkerSetup, worker_id: int, *, in_main_process: bool) -> None:
         self.setup = setup
@@ -73,14 +58,7 @@ class WorkerRuntime:
         # In the main process a state_dict() may alias live objects, so it is copied;
         # and RNG states are kept unencoded, for the cheap swap around every batch.
         self.in_main_process = in_main_process
-        if in_main_process and setup.iterable:
-            # A worker process iterates its own copy of the dataset, fresh each epoch;
-            # so does num_workers=0, or an iterable that changes its own attributes
-            # would carry them into the next epoch, which no checkpoint records.
-            try:
-                self.dataset = copy.deepcopy(setup.dataset)
-            except Exception:
-                pass  # uncopyable (a lock, a socket): iterate it in place, as torch does
+        self.main_contract = setup.num_workers == 0
         self.info: torch_worker.WorkerInfo | None = None
         self.pending_error: WorkerError | None = None
         self.iterator: Iterator[Any] | None = None
@@ -95,9 +73,14 @@ class WorkerRuntime:
     # -- start-up and positioning -------------------------------------------------
 
     def initialize(self) -> None:
-        """Seed as torch does, publish the worker info, run ``worker_init_fn``."""
+        """Seed as torch does, publish the worker info, run ``worker_init_fn`` (neither
+        of the last two under the main-process contract)."""
         seed = seed_like_torch(self.setup.base_seed, self.worker_id)
         self.seed_rng = capture_rng()
+        if self.main_contract:
+            set_worker_info(None)
+            self._discover()
+            return
         self.info = torch_worker.WorkerInfo(
             id=self.worker_id,
             num_workers=self.setup.num_workers,
@@ -300,92 +283,3 @@ class WorkerRuntime:
         # Plain data: a pickle round trip copies it several times faster than
         # deepcopy (1 ms against 6.6 ms for a 10,000-int shuffle buffer).
         return pickle.loads(pickle.dumps(data, pickle.HIGHEST_PROTOCOL))
-
-
-def worker_main(
-    setup: WorkerSetup | bytes,
-    worker_id: int,
-    task_conn: Connection,
-    result_conn: Connection,
-    parent_pid: int,
-    inherited: Inherited,
-    marks: FetchMarks,
-) -> None:
-    """Entry point of a worker process (see the module docstring for the protocol)."""
-    # Ctrl-C reaches the whole process group; the main process handles it and stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Under fork: the main process's pipe ends and received batches (NOTE [ inherited fds ]).
-    release_inherited(inherited)
-    torch.utils.data._utils.signal_handling._set_worker_signal_handlers()
-    torch.set_num_threads(1)
-    if isinstance(setup, bytes):
-        setup = pickle.loads(setup)
-    if not isinstance(setup, WorkerSetup):
-        raise TypeError(f"worker {worker_id} was sent a {type(setup).__name__}, not a WorkerSetup")
-    runtime = WorkerRuntime(setup, worker_id, in_main_process=False)
-    runtime.initialize()
-    # Under forkserver our parent process is the fork server, not the main process
-    # (parent_pid): the watchdog checks that neither has gone.
-    spawner_pid = os.getppid()
-    parent = psutil.Process(parent_pid)
-    pending: deque[Any] = deque()
-
-    def orphaned() -> bool:
-        return os.getppid() != spawner_pid or not parent.is_running()
-
-    def watchdog() -> None:
-        # The loop below checks too, but only while idle: a send can block for good on
-        # a full result pipe whose read end outlives the main process (held by another
-        # process it forked), and dataset code can block too. This thread cannot.
-        while True:
-            time.sleep(_WATCHDOG_INTERVAL_S)
-            if orphaned():
-                os._exit(0)
-
-    threading.Thread(target=watchdog, name="snaploader-watchdog", daemon=True).start()
-
-    def drain() -> bool:
-        """Move every waiting message into ``pending``; False on end-of-file."""
-        try:
-            while task_conn.poll():
-                pending.append(task_conn.recv())
-        except (EOFError, OSError):
-            return False
-        return True
-
-    while True:
-        if not pending:
-            try:
-                ready = task_conn.poll(_WATCHDOG_INTERVAL_S)
-            except (EOFError, OSError):
-                return
-            if not ready:
-                if orphaned():
-                    return
-                continue
-        if not drain() and not pending:
-            return
-        msg = pending.popleft()
-        if msg is None:
-            return
-        if isinstance(msg, bytes):
-            msg = pickle.loads(msg)  # a Resume, sent by value (_receiver.py)
-        if isinstance(msg, Resume):
-            runtime.resume(msg)
-            continue
-        # Only a death between these two marks counts against this batch (_receiver.py).
-        marks.set(worker_id, msg.key)
-        result = runtime.run(msg)
-        marks.set(worker_id, FetchMarks.IDLE)
-        drain()  # so the main process never blocks sending us a task while we send
-        try:
-            result_conn.send_bytes(dumps_result(result))
-        except (BrokenPipeError, ConnectionResetError):
-            return
-        except Exception as exc:  # the batch could not be pickled
-            error = WorkerError.capture(
-                TypeError(f"the batch produced for batch {result.key} could not be "
-                          f"sent to the main process: {type(exc).__name__}: {exc}")
-            )
-            result_conn.send_bytes(dumps_result(Result(result.key, Kind.ERROR, error, result.snapshot)))
-        del result, msg

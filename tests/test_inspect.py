@@ -77,7 +77,7 @@ def test_every_configuration_mid_epoch_and_ended(
     torch.save({"step": 3, "model": {"w": torch.zeros(2)}, "loader": mid}, path)
 
     (summary,) = as_json(path)
-    assert summary["key"] == "loader" and summary["format"] == "snaploader" and summary["version"] == 2
+    assert summary["key"] == "loader" and summary["format"] == "snaploader" and summary["version"] == 3
     assert summary["integrity"] == "digest matches, fields valid"
     assert summary["fingerprint"]["dataset_kind"] == kind
     assert summary["fingerprint"]["num_workers"] == workers
@@ -95,7 +95,7 @@ def test_every_configuration_mid_epoch_and_ended(
 
     code, out, err = inspect(str(path))
     assert code == 0, err
-    assert f"loader state at loader: format snaploader version 2, {summary['size_bytes']:,} bytes" in out
+    assert f"loader state at loader: format snaploader version 3, {summary['size_bytes']:,} bytes" in out
     assert "integrity    digest matches, fields valid" in out
     edited = dict(mid, yielded=mid["yielded"] + 1)
     torch.save({"loader": edited}, path)
@@ -169,7 +169,8 @@ def test_nested_states_are_all_found_and_key_selects_one(tmp_path: Path) -> None
         ({"a": {"b": 1}}, ["--key", "a.c"], "--key a.c: no 'c' at a; the keys there are 'b'"),
         ({"a": [1]}, ["--key", "a.3"], "--key a.3: a is a list of 1 items, which has no '3'"),
         ({"a": {"b": 1}}, ["--key", "a.b"], "--key a.b holds a int, not a snaploader loader state"),
-        ({"format": "snaploader", "version": 3}, [], "format version 3; this snaploader reads version 1, 2"),
+        ({"format": "snaploader", "version": 4}, [], "format version 4; this snaploader reads version 1, 2, 3"),
+        ({"format": "snaploader", "version": 3}, [], "(version 3) is malformed"),
         ({"format": "snaploader", "version": 2}, [], "(version 2) is malformed"),
     ],
 )

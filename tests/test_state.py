@@ -262,7 +262,10 @@ def test_wrong_type_is_named(good_state: dict[str, Any]) -> None:
 
 _MALFORMED: list[tuple[Callable[[dict[str, Any]], Any], str]] = [
     (lambda s: s.update(version=1), "['version'] is 1"),
-    (lambda s: s.update(version=3), "['version'] is 3"),
+    (lambda s: s.update(version=4), "['version'] is 4"),
+    (lambda s: s.pop("logical_workers"), "'logical_workers'"),
+    (lambda s: s.update(logical_workers=-1), "['logical_workers'] is -1"),
+    (lambda s: s["workers"][0].update(worker=1), "['worker'] is 1"),
     (lambda s: s.update(format="torchdata"), "'torchdata'"),
     (lambda s: s.update(rng_kind="other"), "rng_kind"),
     (lambda s: s.update(yielded=-1), "yielded"),
@@ -308,7 +311,6 @@ def test_a_failed_load_leaves_the_loader_untouched(good_state: dict[str, Any]) -
     [
         ("dataset_length", {}, {"dataset": Range(11)}, ("10", "11")),
         ("batch_size", {}, {"batch_size": 4}, ("3", "4")),
-        ("num_workers", {}, {"num_workers": 1}, ("0", "1")),
         ("drop_last", {}, {"drop_last": True}, ("False", "True")),
         ("sampler", {}, {"shuffle": False}, ("RandomSampler", "SequentialSampler")),
         ("generator", {}, {"generator": None}, ("'given'", "'none'")),
