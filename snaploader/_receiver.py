@@ -214,18 +214,18 @@ class ProcessRunner(Runner):
         read (``lost`` of them before this call)."""
         order = self.order[worker.slot]
         try:
-            while worker.result.poll():
-                if not order:
+            while worker.result.poll():  # also True at end-of-file: recv_bytes raises then
+                slot = order[0] if order else -1
+                if not whole and self.held_fds >= self.fd_budget and (slot != waiting or self.slots[slot].received):
+                    break
+                blob = worker.result.recv_bytes()
+                worker.messages += 1
+                if slot < 0:
                     raise RuntimeError(
                         f"worker process {worker.slot} sent a result no task asked for; "
                         "the worker protocol is broken (please report this)"
                     )
-                slot = order[0]
                 state = self.slots[slot]
-                if not whole and self.held_fds >= self.fd_budget and (slot != waiting or state.received):
-                    break
-                blob = worker.result.recv_bytes()
-                worker.messages += 1
                 if lost:
                     lost += 1
                     continue
@@ -293,8 +293,9 @@ class ProcessRunner(Runner):
             self.crashes[key] = self.crashes.get(key, 0) + 1
             if self.crashes[key] > self.max_retries:
                 self._give_up(worker, slot, what, how, cause, self.crashes[key], task if fetching else None)
-                if all(self.slots[w].failed is not None for w in self.hosted[process]):
-                    return
+                hosted = [self.slots[w] for w in self.hosted[process]]
+                if all(state.failed is not None and not state.outstanding for state in hosted):
+                    return  # nothing more is asked of this process
             retry = f"retry {self.crashes[key]} of {self.max_retries}"
         else:
             retry = "not counted against any batch (it had not started one)"
