@@ -42,6 +42,7 @@ import json
 import os
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +85,16 @@ class PreparedLoader:
 
     Iterate it as the loader; ``len()``, ``state_dict()`` and ``load_state_dict()`` are
     the sharded loader's (:attr:`loader`), and other attributes are read from it.
+    :meth:`save_to` and :meth:`load_from` write and read this process's state file in
+    a checkpoint folder, for frameworks that checkpoint without ``save_state`` (the
+    Hugging Face Trainer, docs/accelerate.md).
     """
 
-    def __init__(self, loader: DataLoader, device: torch.device | None, non_blocking: bool) -> None:
+    def __init__(self, loader: DataLoader, device: torch.device | None, non_blocking: bool, place: _Place) -> None:
         self.loader = loader
         self.device = device
         self.non_blocking = non_blocking
+        self.place = place
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
@@ -106,10 +111,48 @@ class PreparedLoader:
     def load_state_dict(self, state: dict[str, Any], **options: Any) -> None:
         self.loader.load_state_dict(state, **options)
 
+    def save_to(self, folder: str | os.PathLike[str]) -> Path:
+        """Write this process's loader state into the checkpoint ``folder``; its path."""
+        path = self.place.file(folder)
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(self.loader.state_dict()))
+        # A process killed while writing leaves the previous file (or none), never half of one.
+        os.replace(partial, path)
+        return path
+
+    def load_from(self, folder: str | os.PathLike[str]) -> None:
+        """Restore this process's loader state from the checkpoint ``folder``."""
+        path = self.place.file(folder)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            found = sorted(p.name for p in Path(folder).glob("snaploader_*.json"))
+            raise CheckpointFormatError(
+                f"the checkpoint {folder} has no state for snaploader loader {self.place.index} on "
+                f"process {self.place.process} of {self.place.processes} (no {path.name}; it "
+                f"holds {found}): resume with the number of processes it was saved with, and "
+                "prepare the same loaders, in the same order, with "
+                "snaploader.integrations.accelerate.prepare in the run that saves"
+            ) from None
+        self.loader.load_state_dict(state_from_json(text, str(path), "snaploader.integrations.accelerate"))
+
     def __getattr__(self, name: str) -> Any:
         if name == "loader":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Which state file is this loader's: its order among the loaders prepared on the
+    accelerator, this process's index and the number of processes."""
+
+    index: int
+    process: int
+    processes: int
+
+    def file(self, folder: str | os.PathLike[str]) -> Path:
+        return Path(folder) / f"snaploader_{self.index}_rank{self.process}_of_{self.processes}.json"
 
 
 def prepare(accelerator: Accelerator, loader: DataLoader, *, device_placement: bool | None = None) -> PreparedLoader:
@@ -125,10 +168,13 @@ def prepare(accelerator: Accelerator, loader: DataLoader, *, device_placement: b
     loader = _checked(accelerator, loader)
     if accelerator.num_processes > 1:
         loader = _sharded(accelerator, loader)
-    place = accelerator.device_placement if device_placement is None else device_placement
-    prepared = PreparedLoader(loader, accelerator.device if place else None, bool(accelerator.non_blocking))
+    on_device = accelerator.device_placement if device_placement is None else device_placement
     loaders = _prepared.setdefault(accelerator, [])
-    _register(accelerator, loader, len(loaders))
+    place = _Place(len(loaders), accelerator.process_index, accelerator.num_processes)
+    prepared = PreparedLoader(loader, accelerator.device if on_device else None, bool(accelerator.non_blocking), place)
+    # Accelerate calls these on every process, with the checkpoint folder.
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: prepared.save_to(output_dir))
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: prepared.load_from(input_dir))
     loaders.append(loader)
     return prepared
 
@@ -237,37 +283,6 @@ def _sharded(accelerator: Accelerator, loader: DataLoader) -> DataLoader:
         generator=generator,
         **options,
     )
-
-
-def _state_file(folder: str | os.PathLike[str], index: int, accelerator: Accelerator) -> Path:
-    return Path(folder) / f"snaploader_{index}_rank{accelerator.process_index}_of_{accelerator.num_processes}.json"
-
-
-def _register(accelerator: Accelerator, loader: DataLoader, index: int) -> None:
-    def save(models: list[Any], weights: list[Any], output_dir: str) -> None:
-        path = _state_file(output_dir, index, accelerator)
-        partial = path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(loader.state_dict()))
-        # A process killed while writing leaves the previous file (or none), never half of one.
-        os.replace(partial, path)
-
-    def load(models: list[Any], input_dir: str) -> None:
-        path = _state_file(input_dir, index, accelerator)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            found = sorted(p.name for p in Path(input_dir).glob("snaploader_*.json"))
-            raise CheckpointFormatError(
-                f"the checkpoint {input_dir} has no state for snaploader loader {index} on "
-                f"process {accelerator.process_index} of {accelerator.num_processes} (no "
-                f"{path.name}; it holds {found}): resume with the number of processes it was "
-                "saved with, and prepare the same loaders, in the same order, with "
-                "snaploader.integrations.accelerate.prepare in the run that saves"
-            ) from None
-        loader.load_state_dict(state_from_json(text, str(path), "snaploader.integrations.accelerate"))
-
-    accelerator.register_save_state_pre_hook(save)
-    accelerator.register_load_state_pre_hook(load)
 
 
 __all__ = ["PreparedLoader", "prepare"]
