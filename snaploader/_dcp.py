@@ -80,14 +80,22 @@ class DcpState:
                 f"the DCP entry {key!r} should be the loader state as a JSON string "
                 f"(saved through snaploader.dcp_state(loader)), got {type(value).__name__}"
             )
-        try:
-            state = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise CheckpointFormatError(
-                f"the DCP entry {key!r} is not valid JSON ({error}); the checkpoint is "
-                "damaged or was not written by snaploader.dcp_state(loader)"
-            ) from None
+        state = state_from_json(value, f"the DCP entry {key!r}", "snaploader.dcp_state(loader)")
         self.loader.load_state_dict(state, allow_mismatch=self.allow_mismatch)
+
+
+def state_from_json(text: str, what: str, writer: str) -> Any:
+    """The loader state that ``writer`` stored in ``what`` as JSON text;
+    :class:`~snaploader.CheckpointFormatError` naming both when it is not JSON."""
+    from ._errors import CheckpointFormatError
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CheckpointFormatError(
+            f"{what} is not valid JSON ({error}); the checkpoint is damaged or was not "
+            f"written by {writer}"
+        ) from None
 
 
 def dcp_state(loader: DataLoader, *, allow_mismatch: Iterable[str] = ()) -> DcpState:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import io
 import multiprocessing
+import socket
+import subprocess
 import sys
 import warnings
 import multiprocessing.forkserver
@@ -106,3 +108,25 @@ def load_stress_script(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for a process group's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_all(children: list[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """The output of each child once all have exited; all are killed when one of them
+    has not exited within ``timeout_s`` (a rank waiting forever on a dead peer)."""
+    logs = []
+    for child in children:
+        try:
+            logs.append(child.communicate(timeout=timeout_s)[0])
+        except subprocess.TimeoutExpired:
+            for other in children:
+                other.kill()
+                other.communicate()
+            raise
+    return logs
