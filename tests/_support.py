@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import multiprocessing
+import socket
 import sys
 import warnings
 import multiprocessing.forkserver
@@ -82,6 +83,13 @@ def cut_state(loader: Any, epochs_before: int, cut: int) -> dict[str, Any]:
         state = through_bytes(loader.state_dict())
         del iterator
     return state
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def generator(seed: int) -> torch.Generator:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 import snaploader
 
-from ._support import assert_same_stream, take
+from ._support import assert_same_stream, free_port, take
 
 _ROOT = Path(__file__).resolve().parents[1]
 _CHILD_TIMEOUT_S = 240
@@ -63,14 +62,8 @@ def test_bad_inputs_say_what_to_do() -> None:
         state.load_state_dict({"rank0_of_1": "{"})
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _ranks(phase: str, ckpt: Path, out: Path, world: int = 2) -> list[list[list[torch.Tensor]]]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
     children = [
         subprocess.Popen(
