@@ -176,7 +176,7 @@ class ReshardedLoader:
         rest = None
         if self._rest is not None:
             state = self._rest[1].state_dict()
-            if not state["ended"]:
+            if not state["ended"] or state["epoch"] < 0:  # not read to its end yet
                 rest = {"source": self._rest[0].to_plain(), "loader": state}
             else:
                 self.loaders, self._rest = [self._after()], None

@@ -180,6 +180,10 @@ def test_a_checkpoint_taken_during_a_repartitioned_epoch_resumes_on_its_world_si
         resumed = reshard(saved, make_loader, rank=rank, world_size=3)
         assert_same_stream(list(resumed), expected[rank], f"rank {rank}")
     assert sorted(_ids(old.consumed) + _ids(taken) + _ids(expected)) == list(range(40))
+    # saved before its first batch, a new rank still owes its whole share
+    untouched = [reshard(old.states, make_loader, rank=j, world_size=3).state_dict() for j in range(3)]
+    shares = [list(reshard(untouched, make_loader, rank=j, world_size=3)) for j in range(3)]
+    assert_same_stream(shares[1], taken[1] + expected[1], "rank 1 from a state saved before its first batch")
     with pytest.raises(ValueError, match=r"re-partitioned onto \[3\] rank.*only on the same world size.*world_size=2"):
         reshard(saved, make_loader, rank=0, world_size=2)
 
