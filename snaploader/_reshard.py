@@ -189,7 +189,8 @@ def _source_of(states: list[dict[str, Any]]) -> Source:
             f"the checkpoints are from different epochs ({shown}); pass the checkpoints "
             "every rank saved at the same step"
         )
-    fingerprint, (state, *_) = states[0]["fingerprint"], states
+    state = states[0]
+    fingerprint = state["fingerprint"]
     shard = fingerprint["distributed"]
     under_way = state["epoch"] >= 0 and not all(s["ended"] for s in states)
     return Source(
