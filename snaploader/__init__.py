@@ -23,6 +23,7 @@ from ._errors import (
 )
 from ._dcp import DcpState, dcp_state
 from ._loader import DataLoader
+from . import distributed
 
 __all__ = [
     "CheckpointFormatError",
@@ -36,6 +37,7 @@ __all__ = [
     "WorkerRespawnedWarning",
     "WorkerInfo",
     "dcp_state",
+    "distributed",
     "get_worker_info",
 ]
 

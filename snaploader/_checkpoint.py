@@ -11,7 +11,10 @@ Layout (version 3; version 2 is read too, see ``_layout.READABLE_VERSIONS``)::
     version        3
     digest         "sha256:<hex>" over the rest (see :func:`digest_of`)
     fingerprint    {dataset_kind, dataset_length, batch_size, num_workers, drop_last,
-                    sampler, batch_sampler, persistent_workers, generator}
+                    sampler, batch_sampler, persistent_workers, generator,
+                    distributed}: distributed is torch's DistributedSampler's
+                   {num_replicas, rank, shuffle, seed, drop_last} or None for another
+                   sampler; absent in older version-3 files (then not compared)
     epoch          index of the epoch this describes (-1: none started yet)
     ended          True when that epoch is over: the next iter() starts epoch + 1
     yielded        batches yielded in that epoch

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
+    from .distributed import ReshardedLoader
 
 
 def _rank_key() -> str:
@@ -44,13 +45,16 @@ class DcpState:
     Each rank saves and restores its own loader state. The rank and world size are read
     when DCP calls :meth:`state_dict` / :meth:`load_state_dict`, so one object can be
     made before ``init_process_group``. Resuming needs the same world size: with
-    another, DCP reports the rank's key (``loader.rank2_of_4``) as missing.
+    another, DCP reports the rank's key (``loader.rank2_of_4``) as missing; change
+    the world size with ``snaploader.distributed.reshard(dcp_states(path), ...)``.
     """
 
-    def __init__(self, loader: DataLoader, *, allow_mismatch: Iterable[str] = ()) -> None:
+    def __init__(self, loader: DataLoader | ReshardedLoader, *, allow_mismatch: Iterable[str] = ()) -> None:
         from ._loader import DataLoader
+        from .distributed import ReshardedLoader
 
-        if not isinstance(loader, DataLoader):
+        # A ReshardedLoader saves here too; it is resumed by reshard(dcp_states(path), ...).
+        if not isinstance(loader, (DataLoader, ReshardedLoader)):
             raise TypeError(
                 f"snaploader.dcp_state() takes a snaploader.DataLoader, got "
                 f"{type(loader).__module__}.{type(loader).__qualname__}; build the loader "
@@ -98,7 +102,7 @@ def state_from_json(text: str, what: str, writer: str) -> Any:
         ) from None
 
 
-def dcp_state(loader: DataLoader, *, allow_mismatch: Iterable[str] = ()) -> DcpState:
+def dcp_state(loader: DataLoader | ReshardedLoader, *, allow_mismatch: Iterable[str] = ()) -> DcpState:
     """``loader``'s state for ``torch.distributed.checkpoint``: a Stateful whose state
     is keyed by rank, so each rank saves and restores its own (see :class:`DcpState`).
     ``allow_mismatch`` is passed to :meth:`DataLoader.load_state_dict`."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
 from ._errors import CheckpointMismatchError
 
@@ -22,6 +23,13 @@ FINGERPRINT_KEYS: Final = (
     "generator",
 )
 
+# Compared when the checkpoint has them: absent in format-3 checkpoints written before
+# they were added. ``distributed``: torch's DistributedSampler's arguments (None for any
+# other sampler), which is what snaploader.distributed needs to re-partition an epoch
+# and what tells the checkpoint of one rank from another's.
+OPTIONAL_KEYS: Final = ("distributed",)
+DISTRIBUTED_FIELDS: Final = {"num_replicas": int, "rank": int, "shuffle": bool, "seed": int, "drop_last": bool}
+
 # Recorded, never a mismatch: the processes do not define the stream, the logical
 # workers do, and a checkpoint resumes exactly with any num_workers (docs/elastic.md).
 _ANY_VALUE: Final = frozenset({"num_workers"})
@@ -35,8 +43,8 @@ class Fingerprint:
 
     def mismatches(self, saved: dict[str, Any], allowed: frozenset[str]) -> list[str]:
         lines = []
-        for key in FINGERPRINT_KEYS:
-            if key in allowed or key in _ANY_VALUE:
+        for key in FINGERPRINT_KEYS + OPTIONAL_KEYS:
+            if key in allowed or key in _ANY_VALUE or (key in OPTIONAL_KEYS and key not in saved):
                 continue
             if saved.get(key) != self.values[key]:
                 lines.append(f"  {key}: {saved.get(key)!r} in checkpoint / {self.values[key]!r} in this loader")
@@ -46,11 +54,11 @@ class Fingerprint:
 
 
 def check_fingerprint(state: dict[str, Any], mine: Fingerprint, allowed: frozenset[str]) -> None:
-    unknown = allowed - set(FINGERPRINT_KEYS)
+    unknown = allowed - set(FINGERPRINT_KEYS + OPTIONAL_KEYS)
     if unknown:
         raise ValueError(
             f"allow_mismatch names {sorted(unknown)}, which are not checked; "
-            f"the checked names are {list(FINGERPRINT_KEYS)}"
+            f"the checked names are {list(FINGERPRINT_KEYS + OPTIONAL_KEYS)}"
         )
     lines = mine.mismatches(state["fingerprint"], allowed)
     if lines:
@@ -93,5 +101,14 @@ def fingerprint_of(
             "batch_sampler": None if batch_sampler is None else type(batch_sampler).__qualname__,
             "persistent_workers": persistent_workers,
             "generator": "none" if generator is None else "given",
+            "distributed": distributed_of(sampler),
         }
     )
+
+
+def distributed_of(sampler: Any) -> dict[str, Any] | None:
+    """torch's DistributedSampler's arguments as plain data; None for another sampler
+    (a subclass included: its order may not be DistributedSampler's)."""
+    if type(sampler) is not DistributedSampler:
+        return None
+    return {key: kind(getattr(sampler, key)) for key, kind in DISTRIBUTED_FIELDS.items()}

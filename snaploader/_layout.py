@@ -14,7 +14,7 @@ from typing import Any, Final
 import torch
 
 from . import _plain
-from ._fingerprint import FINGERPRINT_KEYS
+from ._fingerprint import DISTRIBUTED_FIELDS, FINGERPRINT_KEYS
 from ._errors import CheckpointFormatError
 from ._objects import check_objects
 from ._rng import RngSource, check_rng
@@ -165,6 +165,7 @@ def validate(state: Any) -> None:
     for key in FINGERPRINT_KEYS:
         if key not in state["fingerprint"]:
             raise _fail("loader state['fingerprint']", f"has no {key!r} key")
+    _check_distributed(state["fingerprint"].get("distributed"))
     if state["rng_kind"] not in ("generator", "global"):
         raise _fail("loader state['rng_kind']", f"should be 'generator' or 'global', got {state['rng_kind']!r}")
     check_count("loader state['skip']", state.get("skip", 0))
@@ -214,6 +215,18 @@ def validate(state: Any) -> None:
             )
     if state["sampler_epoch"] is not None and state["sampler_epoch"] < 0:
         raise _fail("loader state['sampler_epoch']", f"is {state['sampler_epoch']}; expected >= 0")
+
+
+def _check_distributed(value: Any) -> None:
+    # Optional (absent in checkpoints written before it): None, or DistributedSampler's
+    # arguments, which snaploader.distributed re-partitions an epoch from.
+    if value is None:
+        return
+    where = "loader state['fingerprint']['distributed']"
+    types: dict[str, tuple[type, ...]] = {key: (kind,) for key, kind in DISTRIBUTED_FIELDS.items()}
+    _check_fields(where, value, types)
+    if not 0 <= value["rank"] < value["num_replicas"]:
+        raise _fail(where, f"has rank {value['rank']} of num_replicas {value['num_replicas']}; expected 0 <= rank < num_replicas")
 
 
 def logical_workers_of(state: dict[str, Any]) -> int:

@@ -86,6 +86,13 @@ def cut_state(loader: Any, epochs_before: int, cut: int) -> dict[str, Any]:
     return state
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -108,13 +115,6 @@ def load_stress_script(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now, for a process group's rendezvous."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_all(children: list[subprocess.Popen[str]], timeout_s: float) -> list[str]:

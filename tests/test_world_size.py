@@ -1,0 +1,395 @@
+"""snaploader.distributed: the checkpoints of N DistributedSampler ranks resumed on M
+(docs/elastic.md, "Changing the world size").
+
+Most of it runs in one process, the N old ranks simulated by loaders over
+``DistributedSampler(num_replicas=N, rank=r)``; the ``integration`` tests at the end
+run the old and new worlds as gloo ranks on loopback (``tests/_world_child.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DistributedSampler, RandomSampler
+
+import snaploader
+from snaploader import _layout
+from snaploader._reshard import Source, remaining, share
+from snaploader.distributed import concat, reshard
+
+from ._datasets import Augmented
+from ._support import assert_same, assert_same_stream, free_port, take, through_bytes
+
+_EPOCH = 2  # the interrupted epoch's sampler epoch: not 0, so the epoch is really read
+_ROOT = Path(__file__).resolve().parents[1]
+_CHILD_TIMEOUT_S = 120
+
+
+def _factory(n: int, batch_size: int = 3, drop_last: bool = False, num_workers: int = 0) -> Callable[[Any], Any]:
+    dataset = Augmented(n)
+
+    def make_loader(sampler: Any) -> snaploader.DataLoader[Any]:
+        return snaploader.DataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+            drop_last=drop_last, generator=torch.Generator().manual_seed(1),
+        )
+
+    return make_loader
+
+
+class OldRun(NamedTuple):
+    states: list[dict[str, Any]]  # per rank, after ``cut`` batches of the epoch
+    consumed: list[list[torch.Tensor]]  # per rank, the batches before the cut
+    rest: list[list[torch.Tensor]]  # per rank, the batches after it
+    following: list[list[torch.Tensor]]  # per rank, the next epoch
+
+
+def _old_run(make_loader: Callable[[Any], Any], n: int, size: int, cut: int, sampler_drop_last: bool = False) -> OldRun:
+    run = OldRun([], [], [], [])
+    for rank in range(size):
+        sampler = DistributedSampler(Augmented(n), num_replicas=size, rank=rank, shuffle=True, seed=5, drop_last=sampler_drop_last)
+        loader = make_loader(sampler)
+        sampler.set_epoch(_EPOCH)
+        iterator = iter(loader)
+        run.consumed.append(take(iterator, cut))
+        run.states.append(through_bytes(loader.state_dict()))
+        run.rest.append(list(iterator))
+        sampler.set_epoch(_EPOCH + 1)
+        run.following.append(list(loader))
+    return run
+
+
+def _new_run(states: list[dict[str, Any]], make_loader: Callable[[Any], Any], size: int) -> tuple[list[list[Any]], list[list[Any]]]:
+    rest, following = [], []
+    for rank in range(size):
+        loader = reshard(states, make_loader, rank=rank, world_size=size)
+        assert loader.epoch == _EPOCH
+        loader.set_epoch(_EPOCH)
+        rest.append(list(loader))
+        loader.set_epoch(_EPOCH + 1)
+        following.append(list(loader))
+    return rest, following
+
+
+def _cut_new_world(
+    states: list[dict[str, Any]], make_loader: Callable[[Any], Any], size: int, cut: int
+) -> tuple[list[list[Any]], list[dict[str, Any]], list[Iterator[Any]]]:
+    """Each of ``size`` new ranks resharded from ``states`` and read ``cut`` batches on:
+    the batches, the new ranks' states (through torch.save and JSON), their iterators."""
+    new = [reshard(states, make_loader, rank=j, world_size=size) for j in range(size)]
+    iterators = [iter(loader) for loader in new]
+    taken = [take(iterator, cut) for iterator in iterators]
+    saved = [json.loads(json.dumps(through_bytes(loader.state_dict()))) for loader in new]
+    return taken, saved, iterators
+
+
+def _global(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    assert len({len(batches) for batches in per_rank}) == 1, [len(b) for b in per_rank]
+    return [torch.cat(step) for step in zip(*per_rank)]
+
+
+def _ids(per_rank: list[list[torch.Tensor]]) -> list[int]:
+    return [int(i) for batches in per_rank for batch in batches for i in batch[:, 0].tolist()]
+
+
+# -- hosting: M divides N ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("new_size", [1, 2, 4])
+def test_hosting_keeps_the_global_batches_bit_for_bit(new_size: int) -> None:
+    make_loader = _factory(40)
+    old = _old_run(make_loader, 40, 4, cut=1)
+    rest, following = _new_run(old.states, make_loader, new_size)
+    assert_same_stream(_global(rest), _global(old.rest), "rest of the interrupted epoch")
+    assert_same_stream(_global(following), _global(old.following), "the next epoch")
+
+
+def test_a_hosting_checkpoint_reshards_again() -> None:
+    make_loader = _factory(48)
+    old = _old_run(make_loader, 48, 4, cut=1)
+    taken, saved, _ = _cut_new_world(old.states, make_loader, 2, 1)
+    assert [len(state["loaders"]) for state in saved] == [2, 2]
+    # back onto 4 ranks: each hosts its own logical rank, the old stream goes on
+    back, _ = _new_run(saved, make_loader, 4)
+    assert_same_stream(_global(back), _global(old.rest)[1:], "4 -> 2 -> 4")
+    # onto 3: re-partitioned, nothing lost or repeated
+    spread, _ = _new_run(saved, make_loader, 3)
+    seen = _ids(old.consumed) + [int(i) for t in taken for b in t for i in b[:, 0].tolist()] + _ids(spread)
+    assert sorted(seen) == list(range(48))
+
+
+def test_hosting_needs_the_ranks_at_one_step() -> None:
+    make_loader = _factory(40)
+    behind = _old_run(make_loader, 40, 4, cut=1).states
+    ahead = _old_run(make_loader, 40, 4, cut=2).states
+    with pytest.raises(ValueError, match=r"same step.*rank 2: 2 batches of epoch 0"):
+        reshard(behind[:2] + ahead[2:], make_loader, rank=0, world_size=2)
+    # re-partitioning does not need it: each old rank's rest is its own
+    rest, _ = _new_run(behind[:2] + ahead[2:], make_loader, 3)
+    assert len(_ids(rest)) == 40 - 4 * 3 - 2 * 3
+
+
+# -- re-partition: M does not divide N ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "old_size", "new_size", "batch_size", "drop_last", "sampler_drop_last"),
+    [
+        (40, 4, 3, 3, False, False),
+        (38, 4, 3, 3, False, False),  # DistributedSampler pads 2 repeats
+        (38, 4, 3, 3, False, True),  # ... or drops 2 samples
+        (40, 2, 4, 4, False, False),
+        (41, 3, 2, 4, True, False),
+    ],
+)
+def test_repartition_loses_and_repeats_no_sample(
+    n: int, old_size: int, new_size: int, batch_size: int, drop_last: bool, sampler_drop_last: bool
+) -> None:
+    make_loader = _factory(n, batch_size, drop_last)
+    old = _old_run(make_loader, n, old_size, cut=1, sampler_drop_last=sampler_drop_last)
+    rest, following = _new_run(old.states, make_loader, new_size)
+    # what the old run yields of the epoch, each sample once (padding repeats aside)
+    expected = sorted(set(_ids(old.consumed) + _ids(old.rest)))
+    assert sorted(_ids(old.consumed) + _ids(rest)) == expected
+    counts = [len(batches) for batches in rest]
+    assert max(counts) - min(counts) <= 1, counts
+    for rank, batches in enumerate(following):
+        sampler = DistributedSampler(Augmented(n), num_replicas=new_size, rank=rank, shuffle=True, seed=5, drop_last=sampler_drop_last)
+        sampler.set_epoch(_EPOCH + 1)
+        order = list(sampler)
+        assert _ids([batches]) == order[: len(order) // batch_size * batch_size if drop_last else None]
+
+
+def test_a_checkpoint_taken_during_a_repartitioned_epoch_resumes_on_its_world_size() -> None:
+    make_loader = _factory(40)
+    old = _old_run(make_loader, 40, 4, cut=1)
+    taken, saved, iterators = _cut_new_world(old.states, make_loader, 3, 2)
+    expected = [list(iterator) for iterator in iterators]
+    for rank in range(3):
+        resumed = reshard(saved, make_loader, rank=rank, world_size=3)
+        assert_same_stream(list(resumed), expected[rank], f"rank {rank}")
+    assert sorted(_ids(old.consumed) + _ids(taken) + _ids(expected)) == list(range(40))
+    # saved before its first batch, a new rank still owes its whole share
+    untouched = [reshard(old.states, make_loader, rank=j, world_size=3).state_dict() for j in range(3)]
+    shares = [list(reshard(untouched, make_loader, rank=j, world_size=3)) for j in range(3)]
+    assert_same_stream(shares[1], taken[1] + expected[1], "rank 1 from a state saved before its first batch")
+    with pytest.raises(ValueError, match=r"re-partitioned onto \[3\] rank.*only on the same world size.*world_size=2"):
+        reshard(saved, make_loader, rank=0, world_size=2)
+
+
+def test_between_epochs_the_new_world_starts_the_next_epoch() -> None:
+    make_loader = _factory(24)
+    ended = []
+    for rank in range(4):
+        sampler = DistributedSampler(Augmented(24), num_replicas=4, rank=rank, shuffle=True, seed=5)
+        loader = make_loader(sampler)
+        sampler.set_epoch(_EPOCH)
+        list(loader)
+        ended.append(loader.state_dict())
+    loader = reshard(ended, make_loader, rank=1, world_size=3)
+    assert loader.mode == "repartition" and loader.epoch == _EPOCH + 1
+    sampler = DistributedSampler(Augmented(24), num_replicas=3, rank=1, shuffle=True, seed=5)
+    sampler.set_epoch(_EPOCH + 1)
+    assert _ids([list(loader)]) == list(sampler)
+
+
+# -- the pure rules, over many configurations ------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 60), old_size=st.integers(1, 6), new_size=st.integers(1, 7),
+    batch_size=st.integers(1, 5), drop_last=st.booleans(), sampler_drop_last=st.booleans(),
+    data=st.data(),
+)
+def test_the_rest_of_an_epoch_is_dealt_out_whole(
+    n: int, old_size: int, new_size: int, batch_size: int, drop_last: bool, sampler_drop_last: bool, data: st.DataObject
+) -> None:
+    per_rank = (n // old_size if sampler_drop_last else -(-n // old_size))
+    batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+    cut = data.draw(st.integers(0, batches))
+    source = Source(old_size, True, 3, sampler_drop_last, n, batch_size, drop_last, 4, (cut,) * old_size)
+    pool = remaining(source)
+    yielded = []
+    for rank in range(old_size):
+        sampler = DistributedSampler(range(n), num_replicas=old_size, rank=rank, seed=3, drop_last=sampler_drop_last)  # type: ignore[arg-type]
+        sampler.set_epoch(4)
+        order = list(sampler)
+        yielded += order[: (len(order) // batch_size * batch_size if drop_last else len(order))][: cut * batch_size]
+    whole_epoch = set(yielded) | set(pool)
+    assert len(pool) == len(set(pool)) and not set(pool) & set(yielded)
+    shares = [share(pool, batch_size, rank, new_size) for rank in range(new_size)]
+    assert sorted(i for s in shares for i in s) == sorted(pool)
+    counts = [-(-len(s) // batch_size) for s in shares]
+    assert max(counts) - min(counts) <= 1
+    if not drop_last and not sampler_drop_last:
+        assert whole_epoch == set(range(n))
+
+
+# -- errors that say what to do -------------------------------------------------------
+
+
+def test_what_cannot_be_resharded_is_named() -> None:
+    make_loader = _factory(40)
+    states = _old_run(make_loader, 40, 4, cut=1).states
+    with pytest.raises(ValueError, match=r"4-rank run, but ranks \[3\] are missing"):
+        reshard(states[:3], make_loader, rank=0, world_size=2)
+    with pytest.raises(snaploader.CheckpointMismatchError, match="rank 1's checkpoint is given twice"):
+        reshard(states + states[1:2], make_loader, rank=0, world_size=2)
+    with pytest.raises(snaploader.CheckpointMismatchError, match="built differently"):
+        reshard(states[:2] + _old_run(_factory(41), 41, 4, cut=1).states[2:], make_loader, rank=0, world_size=2)
+    shuffled = snaploader.DataLoader(Augmented(40), batch_size=3, sampler=RandomSampler(Augmented(40)))
+    take(iter(shuffled), 1)
+    with pytest.raises(snaploader.CheckpointMismatchError, match=r"sampler 'RandomSampler'.*DistributedSampler"):
+        reshard([shuffled.state_dict()], make_loader, rank=0, world_size=2)
+    older = json.loads(json.dumps(states[0]))
+    del older["fingerprint"]["distributed"]
+    older["digest"] = _layout.digest_of(older, [_layout.sha256_of(w) for w in older["workers"]])
+    with pytest.raises(snaploader.CheckpointMismatchError, match="did not record the DistributedSampler"):
+        reshard([older, *states[1:]], make_loader, rank=0, world_size=2)
+    with pytest.raises(snaploader.CheckpointFormatError, match="checkpoint 2 of the list: loader state.*digest"):
+        reshard(states[:2] + [{**states[2], "yielded": 0}] + states[3:], make_loader, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="rank=2 and world_size=2"):
+        reshard(states, make_loader, rank=2, world_size=2)
+    with pytest.raises(TypeError, match="sampler=<the sampler it is given>"):
+        reshard(states, lambda sampler: make_loader(None), rank=0, world_size=2)
+
+
+def test_mixed_epochs_are_refused() -> None:
+    make_loader = _factory(40)
+    states = _old_run(make_loader, 40, 4, cut=1).states
+    sampler = DistributedSampler(Augmented(40), num_replicas=4, rank=3, shuffle=True, seed=5)
+    loader = make_loader(sampler)
+    sampler.set_epoch(_EPOCH)
+    list(loader)
+    take(iter(loader), 1)
+    with pytest.raises(ValueError, match=r"different epochs.*rank 3: epoch 1"):
+        reshard(states[:3] + [loader.state_dict()], make_loader, rank=0, world_size=3)
+
+
+def test_a_rank_loads_only_its_own_checkpoint() -> None:
+    make_loader = _factory(40)
+    states = _old_run(make_loader, 40, 4, cut=1).states
+    loader = make_loader(DistributedSampler(Augmented(40), num_replicas=4, rank=0, shuffle=True, seed=5))
+    with pytest.raises(snaploader.CheckpointMismatchError, match=r"distributed: .*'rank': 1.*'rank': 0"):
+        loader.load_state_dict(states[1])
+    loader.load_state_dict(states[1], allow_mismatch=("distributed",))
+
+
+def test_a_checkpoint_without_the_sampler_arguments_still_loads() -> None:
+    make_loader = _factory(40)
+    old = _old_run(make_loader, 40, 4, cut=1)
+    state = json.loads(json.dumps(old.states[2]))
+    del state["fingerprint"]["distributed"]
+    state["digest"] = _layout.digest_of(state, [_layout.sha256_of(w) for w in state["workers"]])
+    loader = make_loader(DistributedSampler(Augmented(40), num_replicas=4, rank=2, shuffle=True, seed=5))
+    loader.load_state_dict(state)
+    assert_same_stream(list(loader), old.rest[2])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_states_reads_every_rank_and_says_what_is_wrong(tmp_path: Path) -> None:
+    old = _old_run(_factory(40), 40, 2, cut=1)
+    entries = {f"rank{r}_of_2": json.dumps(state) for r, state in enumerate(old.states)}
+    dcp.save({"loader": entries}, checkpoint_id=str(tmp_path / "ok"))
+    assert snaploader.distributed.dcp_states(str(tmp_path / "ok")) == old.states
+    dcp.save({"loader": {"rank0_of_2": "{}"}}, checkpoint_id=str(tmp_path / "half"))
+    with pytest.raises(snaploader.CheckpointFormatError, match=r"\['rank0_of_2'\], not one 'rank<r>_of_<N>' per rank"):
+        snaploader.distributed.dcp_states(str(tmp_path / "half"))
+    resharded = reshard(old.states, _factory(40), rank=0, world_size=1)
+    saved = snaploader.dcp_state(resharded).state_dict()
+    assert json.loads(saved["rank0_of_1"]) == resharded.state_dict()
+    with pytest.raises(TypeError, match="resumed by snaploader.distributed.reshard"):
+        snaploader.dcp_state(resharded).load_state_dict(saved)
+
+
+# -- concat ---------------------------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    names: list[str]
+
+
+def test_concat_joins_what_default_collate_makes() -> None:
+    a = {"x": torch.arange(2), "pair": Pair(torch.ones(2), ["a", "b"]), "arr": np.zeros(2), "t": (torch.zeros(1), ["c"])}
+    b = {"x": torch.arange(2, 4), "pair": Pair(torch.zeros(1), ["c"]), "arr": np.ones(1), "t": (torch.ones(1), ["d"])}
+    joined = concat([a, b])
+    assert_same(joined["x"], torch.arange(4))
+    assert isinstance(joined["pair"], Pair) and joined["pair"].names == ["a", "b", "c"]
+    assert_same(joined["t"], (torch.tensor([0.0, 1.0]), ["c", "d"]))
+    assert joined["arr"].tolist() == [0.0, 0.0, 1.0]
+    assert concat([a]) is a
+    with pytest.raises(TypeError, match="combine=list"):
+        concat([object(), object()])
+
+
+# -- multi-process: gloo ranks on loopback ---------------------------------------------
+
+
+def _world(phase: str, size: int, old_size: int, out: Path) -> list[Any]:
+    port = free_port()
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._world_child", phase, str(rank), str(size), str(old_size), str(port), str(out)],
+            cwd=_ROOT, env=dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(size)
+    ]
+    logs = []
+    try:
+        logs = [child.communicate(timeout=_CHILD_TIMEOUT_S)[0] for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+    for rank, (child, log) in enumerate(zip(children, logs)):
+        assert child.returncode == 0, f"rank {rank} of the {phase} run on {size} ranks failed:\n{log[-4000:]}"
+    return [torch.load(out / f"{phase}{size}_{rank}.pt", weights_only=True) for rank in range(size)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    out = tmp_path_factory.mktemp("four")
+    return out, _world("save", 4, 4, out)
+
+
+def _check_repartitioned(saved: list[Any], resumed: list[Any]) -> None:
+    consumed = [r["consumed"] for r in saved]
+    expected = sorted(set(_ids(consumed) + _ids([r["rest"] for r in saved])))
+    assert sorted(_ids(consumed) + _ids([r["rest"] for r in resumed])) == expected
+
+
+@pytest.mark.integration
+def test_four_ranks_hosted_on_two_keep_the_global_batches(four_ranks: tuple[Path, list[Any]]) -> None:
+    out, saved = four_ranks
+    resumed = _world("load", 2, 4, out)
+    for part in ("rest", "following"):
+        assert_same_stream(_global([r[part] for r in resumed]), _global([r[part] for r in saved]), part)
+    # hosting goes on with the 4-rank stream, DistributedSampler's 2 padding repeats too
+    seen = _ids([r["consumed"] for r in saved]) + _ids([r["rest"] for r in resumed])
+    assert len(seen) == 64 and set(seen) == set(range(62))
+
+
+@pytest.mark.integration
+def test_four_ranks_repartitioned_on_three_lose_and_repeat_nothing(four_ranks: tuple[Path, list[Any]]) -> None:
+    out, saved = four_ranks
+    _check_repartitioned(saved, _world("load", 3, 4, out))
+
+
+@pytest.mark.integration
+def test_two_ranks_repartitioned_on_four_lose_and_repeat_nothing(tmp_path: Path) -> None:
+    saved = _world("save", 2, 2, tmp_path)
+    _check_repartitioned(saved, _world("load", 4, 2, tmp_path))
