@@ -147,12 +147,7 @@ class SnapIterator:
         # Persistent workers still busy with an abandoned epoch would answer old tasks
         # first; start them afresh from the ledger instead. Workers started for another
         # logical worker count (the epoch a checkpoint of another count resumed) too.
-        if (
-            runner is None
-            or runner.busy()
-            or self.base_seed != base_seed
-            or runner.logical != self.progress.logical
-        ):
+        if runner is None or runner.busy() or (self.base_seed, runner.logical) != (base_seed, self.progress.logical):
             self._stop_workers()
             self.base_seed = base_seed
             runner = self.runner = self._start_runner(base_seed)
@@ -160,10 +155,8 @@ class SnapIterator:
         # worker respawned last epoch cannot drift from the ledger.
         runner.begin_epoch(self.progress)
         first = self.progress.workers[0]
-        if first.epoch_start is None and first.yielded is None:
-            own = runner.own_epoch_start()
-            if own is not None:
-                self.progress.set_epoch_start(own)
+        if first.epoch_start is None and first.yielded is None and (own := runner.own_epoch_start()):
+            self.progress.set_epoch_start(own)
         for slot, ledger in enumerate(self.progress.workers):
             runner.send(slot, resume_after(ledger))
 
