@@ -61,15 +61,19 @@ from ._layout import (
 from ._ledger import EpochProgress, EpochStart, Position, WorkerLedger
 from ._protocol import Snapshot
 from ._rng import RngSource, rng_bytes
+from ._rngcode import compact
 
 # -- building a checkpoint ---------------------------------------------------------------
 
 
-def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
+def _snapshot_to_plain(snapshot: Snapshot, where: str, seeded: tuple[int, int] | None) -> dict[str, Any]:
+    """``seeded``: (base seed, worker index) the snapshot's worker was seeded with, or
+    None when unknown (its RNG states are then stored raw)."""
     if snapshot.data is not None:
         _plain.check_plain(snapshot.data, f"{where}['data']")
+    rng = rng_bytes(snapshot.rng)
     return {
-        "rng": _plain.b64(rng_bytes(snapshot.rng)),
+        "rng": _plain.b64(rng if seeded is None else compact(rng, *seeded)),
         "produced": snapshot.produced,
         "data": _plain.encode(snapshot.data),
         "data_owner": snapshot.data_owner,
@@ -79,13 +83,15 @@ def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
     }
 
 
-def _ledger_to_plain(ledger: WorkerLedger, where: str) -> tuple[dict[str, Any], str]:
+def _ledger_to_plain(
+    ledger: WorkerLedger, where: str, seeded: tuple[int, int] | None
+) -> tuple[dict[str, Any], str]:
     """A ledger as plain data and its digest, computed once per (immutable) ledger."""
     if ledger.cache:
         return ledger.cache[0]
 
     def plain(snapshot: Snapshot | None, key: str) -> dict[str, Any] | None:
-        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]")
+        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]", seeded)
 
     at = ledger.yielded
     # Resuming from a complete snapshot needs nothing else: keep the epoch start only
@@ -93,10 +99,14 @@ def _ledger_to_plain(ledger: WorkerLedger, where: str) -> tuple[dict[str, Any], 
     # persistent workers, whose epoch start is a full snapshot).
     needs_start = at is None or not at.complete
     same = ledger.yielded_complete is at and at is not None
+    # Oldest first: finding an RNG state on its seed's path resumes where the last
+    # search stopped (_rngcode.py), so a newer state first would leave the older raw.
+    start = plain(ledger.epoch_start, "epoch_start") if needs_start else None
+    complete = SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete")
     out = {
-        "epoch_start": plain(ledger.epoch_start, "epoch_start") if needs_start else None,
+        "epoch_start": start,
         "yielded": plain(at, "yielded"),
-        "yielded_complete": SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete"),
+        "yielded_complete": complete,
         "exhausted": ledger.exhausted,
         "skipped": ledger.skipped,
     }
@@ -152,7 +162,8 @@ def build_state(
             skip=position.skip,
         )
         ledgers = [
-            _ledger_to_plain(ledger, f"worker {w}'s state") for w, ledger in enumerate(position.workers)
+            _ledger_to_plain(ledger, f"worker {w}'s state", (progress.base_seed, w))
+            for w, ledger in enumerate(position.workers)
         ]
         next_batches = [
             None if entry is None else {"produced": entry[0], "digest": entry[1]}
