@@ -32,7 +32,7 @@ Layout (version 2)::
                    {epoch_start, yielded, yielded_complete, exhausted, skipped}
                    (skipped: map-style batches of the worker's share a skip passed
                    over since its last snapshot; absent in older files: 0), each snapshot
-                   {rng (base64), produced, data, data_owner, complete, exhausted,
+                   {rng (base64; moved states as twist codes, _rngcode.py), produced, data, data_owner, complete, exhausted,
                    objects (base64 of the generator objects' states, _objkinds.py, or
                    None)};
                    yielded_complete is "same as yielded" when it is; epoch_start is
