@@ -39,7 +39,8 @@ Layout (version 3; version 2 is read too, see ``_layout.READABLE_VERSIONS``)::
                    (worker: its logical index, equal to its place in the list)
                    (skipped: map-style batches of the worker's share a skip passed
                    over since its last snapshot; absent in older files: 0), each snapshot
-                   {rng (base64), produced, data, data_owner, complete, exhausted,
+                   {rng (base64; moved states as twist codes, _rngcode.py), produced, data,
+                   data_owner, complete, exhausted,
                    objects (base64 of the generator objects' states, _objkinds.py, or
                    None)};
                    yielded_complete is "same as yielded" when it is; epoch_start is
@@ -69,15 +70,19 @@ from ._layout import (
 from ._ledger import EpochProgress, EpochStart, Position, WorkerLedger
 from ._protocol import Snapshot
 from ._rng import RngSource, rng_bytes
+from ._rngcode import compact
 
 # -- building a checkpoint ---------------------------------------------------------------
 
 
-def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
+def _snapshot_to_plain(snapshot: Snapshot, where: str, seeded: tuple[int, int] | None) -> dict[str, Any]:
+    """``seeded``: (base seed, worker index) the snapshot's worker was seeded with, or
+    None when unknown (its RNG states are then stored raw)."""
     if snapshot.data is not None:
         _plain.check_plain(snapshot.data, f"{where}['data']")
+    rng = rng_bytes(snapshot.rng)
     return {
-        "rng": _plain.b64(rng_bytes(snapshot.rng)),
+        "rng": _plain.b64(rng if seeded is None else compact(rng, *seeded)),
         "produced": snapshot.produced,
         "data": _plain.encode(snapshot.data),
         "data_owner": snapshot.data_owner,
@@ -87,7 +92,9 @@ def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
     }
 
 
-def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any], str]:
+def _ledger_to_plain(
+    ledger: WorkerLedger, worker: int, seeded: tuple[int, int] | None
+) -> tuple[dict[str, Any], str]:
     """A ledger as plain data and its digest, computed once per (immutable) ledger."""
     if ledger.cache and ledger.cache[0][0]["worker"] == worker:
         return ledger.cache[0]
@@ -95,7 +102,7 @@ def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any],
     where = f"worker {worker}'s state"
 
     def plain(snapshot: Snapshot | None, key: str) -> dict[str, Any] | None:
-        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]")
+        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]", seeded)
 
     at = ledger.yielded
     # Resuming from a complete snapshot needs nothing else: keep the epoch start only
@@ -103,11 +110,15 @@ def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any],
     # persistent workers, whose epoch start is a full snapshot).
     needs_start = at is None or not at.complete
     same = ledger.yielded_complete is at and at is not None
+    # Oldest first: finding an RNG state on its seed's path resumes where the last
+    # search stopped (_rngcode.py), so a newer state first would leave the older raw.
+    start = plain(ledger.epoch_start, "epoch_start") if needs_start else None
+    complete = SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete")
     out = {
         "worker": worker,
-        "epoch_start": plain(ledger.epoch_start, "epoch_start") if needs_start else None,
+        "epoch_start": start,
         "yielded": plain(at, "yielded"),
-        "yielded_complete": SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete"),
+        "yielded_complete": complete,
         "exhausted": ledger.exhausted,
         "skipped": ledger.skipped,
     }
@@ -164,7 +175,9 @@ def build_state(
             skip=position.skip,
             logical_workers=progress.logical,
         )
-        ledgers = [_ledger_to_plain(ledger, w) for w, ledger in enumerate(position.workers)]
+        ledgers = [
+            _ledger_to_plain(ledger, w, (progress.base_seed, w)) for w, ledger in enumerate(position.workers)
+        ]
         next_batches = [
             None if entry is None else {"produced": entry[0], "digest": entry[1]}
             for entry in progress.next_digests()

@@ -26,6 +26,7 @@ from ._rng_raw import (
     pack_torch_state,
     unpack_torch_state,
 )
+from ._rngcode import check_code, expand, part_sizes
 
 def _parts(full: bytes) -> tuple[bytes, bytes, bytes]:
     return full[:_PY_BLOB], full[_PY_BLOB : 2 * _PY_BLOB], full[2 * _PY_BLOB :]
@@ -43,31 +44,47 @@ def _seed_parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
 
 
 _TORCH_STATE_BYTES: Final = 5056
+_NAMES: Final = ("Python random", "NumPy", "torch")
 
 
 def check_rng(blob: bytes, seeded: bool) -> None:
-    """Raise ValueError unless ``blob`` is a well-formed :func:`capture_rng` encoding
-    (``seeded``: captured relative to a seed state). Every byte that ends up in a C
-    struct is range-checked here, so a restore from a checked blob cannot corrupt
-    memory: a Mersenne Twister position past its 624 words would make the next draw
-    read past the end of the state array."""
+    """Raise ValueError unless ``blob`` is a well-formed :func:`capture_rng` encoding,
+    possibly with twist codes (``_rngcode.py``; ``seeded``: captured relative to a seed
+    state). Every byte that ends up in a C struct is range-checked here, so a restore
+    from a checked blob cannot corrupt memory: a Mersenne Twister position past its 624
+    words would make the next draw read past the end of the state array."""
     if not blob:
         raise ValueError("it is empty")
     flags = blob[0]
-    if flags > 0b111 or (flags and not seeded):
-        raise ValueError(f"its flags byte is {flags}; expected 0 to 7 (0 for a main-process state)")
+    if flags > 0b111111 or (flags and not seeded) or flags & (flags >> 3):
+        raise ValueError(
+            f"its flags byte is {flags}; expected 0 to 63, no state both kept and coded "
+            "(0 for a main-process state)"
+        )
     at = 1
-    for bit, name in enumerate(("Python random", "NumPy")):
-        if flags & (1 << bit):
+    for part, (name, size) in enumerate(zip(_NAMES, part_sizes(flags))):
+        if size is None:
             continue
-        check_mt_blob(blob[at : at + _PY_BLOB], name)
-        at += _PY_BLOB
-    if flags & 0b100:
-        if at != len(blob):
-            raise ValueError(f"it has {len(blob) - at} bytes after its last state")
-        return
+        end = len(blob) if size < 0 else at + size
+        stored = blob[at:end]
+        if len(stored) != size and size >= 0:
+            raise ValueError(f"its {name} state has {len(stored)} bytes; expected {size}")
+        at = end
+        if flags & (8 << part):
+            before, after = check_code(stored, part, name)
+            words = b"\0" * (4 * 624)  # not range-checked by anyone: any will do
+            stored = before + words + after
+        if part < 2:
+            check_mt_blob(stored, name)
+        else:
+            _check_torch(stored)
+    if at != len(blob):
+        raise ValueError(f"it has {len(blob) - at} bytes after its last state")
+
+
+def _check_torch(packed: bytes) -> None:
     try:
-        state = unpack_torch_state(blob[at:])
+        state = unpack_torch_state(packed)
         if len(state) != _TORCH_STATE_BYTES:
             raise ValueError(f"{len(state)} bytes")
         # torch range-checks the state it is given; a throwaway generator takes the blow.
@@ -163,11 +180,13 @@ class NativeRng:
     @staticmethod
     def decode(blob: bytes, seed: bytes | None) -> NativeRng:
         check_rng(blob, seeded=seed is not None)
-        flags, rest = blob[0], blob[1:]
+        flags = blob[0]
         if flags:
             if seed is None:
                 raise ValueError("this RNG state was captured relative to a seed state; pass it")
             seed_parts = _seed_parts(seed)
+            blob = expand(blob, seed_parts)
+            flags, rest = blob[0], blob[1:]
             parts = []
             for bit, size in enumerate((_PY_BLOB, _PY_BLOB, None)):
                 if flags & (1 << bit):
@@ -177,7 +196,7 @@ class NativeRng:
                     rest = rest[size:] if size is not None else b""
             py, npb, torch_state = parts
         else:
-            py, npb, torch_state = _parts(rest)
+            py, npb, torch_state = _parts(blob[1:])
         tensor = torch.frombuffer(bytearray(unpack_torch_state(torch_state)), dtype=torch.uint8)
         return NativeRng(py, npb, tensor, seed)
 

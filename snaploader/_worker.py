@@ -109,6 +109,19 @@ class WorkerRuntime:
             self.objects = ObjectRngs([], [])
             self.pending_error = self.pending_error or WorkerError.capture(exc)
 
+    def _restore_rng(self, state: RngState) -> None:
+        # Validation in the main process range-checks a twist code (_rngcode.py) but
+        # cannot replay it: only this worker holds the seed state it is relative to.
+        try:
+            restore_rng(state, self.seed_rng)
+        except ValueError as exc:
+            self.pending_error = self.pending_error or WorkerError.capture(
+                CheckpointFormatError(
+                    f"worker {self.worker_id} cannot restore its RNG states from the "
+                    f"checkpoint: {exc}. Load an unedited checkpoint, or start the epoch afresh"
+                )
+            )
+
     def _restore_objects(self, blob: bytes | None, skip_iterator: bool = False) -> None:
         try:
             self.objects.restore(blob, self.worker_id, skip_iterator)
@@ -127,7 +140,7 @@ class WorkerRuntime:
         mid_epoch = None if msg.new_epoch else base
         if base is not None:
             if mid_epoch is None:
-                restore_rng(base.rng, self.seed_rng)
+                self._restore_rng(base.rng)
                 # the last epoch's iterator, and the generators it held, are gone
                 self._restore_objects(base.objects, skip_iterator=True)
             if base.data_owner == "dataset" and base.complete:
@@ -143,7 +156,7 @@ class WorkerRuntime:
                 self.iterator = iter(())
             self._discover()
         if mid_epoch is not None:
-            restore_rng(mid_epoch.rng, self.seed_rng)
+            self._restore_rng(mid_epoch.rng)
             self._restore_objects(mid_epoch.objects)
         if self.setup.iterable:
             target = self.produced + msg.replay
@@ -162,7 +175,7 @@ class WorkerRuntime:
                     )
                 )
         if msg.final_rng is not None:
-            restore_rng(msg.final_rng, self.seed_rng)
+            self._restore_rng(msg.final_rng)
             self._restore_objects(msg.final_objects)
         if msg.exhausted:
             self.exhausted = True
