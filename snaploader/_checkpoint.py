@@ -51,6 +51,7 @@ User data (``data``, ``sampler_state.state``) is stored through ``_plain.encode`
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,19 +71,22 @@ from ._layout import (
 from ._ledger import EpochProgress, EpochStart, Position, WorkerLedger
 from ._protocol import Snapshot
 from ._rng import RngSource, rng_bytes
-from ._rngcode import compact
+from ._rngcode import SEARCH_BUDGET_S, compact
 
 # -- building a checkpoint ---------------------------------------------------------------
 
 
-def _snapshot_to_plain(snapshot: Snapshot, where: str, seeded: tuple[int, int] | None) -> dict[str, Any]:
+def _snapshot_to_plain(
+    snapshot: Snapshot, where: str, seeded: tuple[int, int] | None, deadline: float = float("inf")
+) -> dict[str, Any]:
     """``seeded``: (base seed, worker index) the snapshot's worker was seeded with, or
-    None when unknown (its RNG states are then stored raw)."""
+    None when unknown (its RNG states are then stored raw); ``deadline``: when to stop
+    searching for their twist codes (_rngcode.py)."""
     if snapshot.data is not None:
         _plain.check_plain(snapshot.data, f"{where}['data']")
     rng = rng_bytes(snapshot.rng)
     return {
-        "rng": _plain.b64(rng if seeded is None else compact(rng, *seeded)),
+        "rng": _plain.b64(rng if seeded is None else compact(rng, *seeded, deadline)),
         "produced": snapshot.produced,
         "data": _plain.encode(snapshot.data),
         "data_owner": snapshot.data_owner,
@@ -93,7 +97,7 @@ def _snapshot_to_plain(snapshot: Snapshot, where: str, seeded: tuple[int, int] |
 
 
 def _ledger_to_plain(
-    ledger: WorkerLedger, worker: int, seeded: tuple[int, int] | None
+    ledger: WorkerLedger, worker: int, seeded: tuple[int, int] | None, deadline: float = float("inf")
 ) -> tuple[dict[str, Any], str]:
     """A ledger as plain data and its digest, computed once per (immutable) ledger."""
     if ledger.cache and ledger.cache[0][0]["worker"] == worker:
@@ -102,7 +106,7 @@ def _ledger_to_plain(
     where = f"worker {worker}'s state"
 
     def plain(snapshot: Snapshot | None, key: str) -> dict[str, Any] | None:
-        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]", seeded)
+        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]", seeded, deadline)
 
     at = ledger.yielded
     # Resuming from a complete snapshot needs nothing else: keep the epoch start only
@@ -175,8 +179,10 @@ def build_state(
             skip=position.skip,
             logical_workers=progress.logical,
         )
+        deadline = time.monotonic() + SEARCH_BUDGET_S
         ledgers = [
-            _ledger_to_plain(ledger, w, (progress.base_seed, w)) for w, ledger in enumerate(position.workers)
+            _ledger_to_plain(ledger, w, (progress.base_seed, w), deadline)
+            for w, ledger in enumerate(position.workers)
         ]
         next_batches = [
             None if entry is None else {"produced": entry[0], "digest": entry[1]}

@@ -32,6 +32,7 @@ import functools
 import random
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from typing import Final
@@ -55,8 +56,13 @@ from ._rng_raw import (
 # state_dict() time and a decode at load time short, and so that a crafted checkpoint
 # cannot make loading spin: 2**16 twists, about 0.1 s, cover 40.9 million 32-bit draws
 # (20 million doubles) from one generator since the worker was seeded. A search that
-# gives up marks the worker's path as walked to the bound, so it is paid once.
+# gives up marks the worker's path as walked to the bound, so it is paid once. And one
+# state_dict() searches for at most SEARCH_BUDGET_S in all: a state not found by then is
+# stored raw this time (a size cost, never an exactness one), and the next call walks
+# on from where this one stopped. So a heavy pipeline's first checkpoints of an epoch
+# are never slow; its states are stored raw until the bound is walked.
 MAX_TWISTS: Final = 2**16
+SEARCH_BUDGET_S: Final = 0.01
 _MT_WORDS: Final = 624
 _WORDS_BYTES: Final = _MT_WORDS * 4
 _CHUNK_TWISTS: Final = 256  # twists generated per NumPy call while searching (1.3 MB)
@@ -148,14 +154,14 @@ class _Path:
         self.generator = _twister(seed_words)
         self.found: OrderedDict[bytes, int] = OrderedDict()
 
-    def find(self, words: bytes) -> int | None:
-        """The twist count of ``words`` on this path, or None beyond MAX_TWISTS."""
+    def find(self, words: bytes, deadline: float) -> int | None:
+        """The twist count of ``words`` on this path, or None beyond MAX_TWISTS or when
+        ``time.monotonic()`` passes ``deadline`` first."""
         if words in self.found:
             return self.found[words]
         target = _temper(np.frombuffer(words, dtype="<u4"))
-        twists = self._walk(target, MAX_TWISTS)
+        twists = self._walk(target, MAX_TWISTS, deadline)
         if twists is None:
-            self.walked = MAX_TWISTS
             return None
         # Walk on from here next time, not from the end of the block searched: the
         # next state asked for is usually a little further on.
@@ -165,9 +171,11 @@ class _Path:
             self.found.popitem(last=False)
         return twists
 
-    def _walk(self, target: np.ndarray, bound: int) -> int | None:
+    def _walk(self, target: np.ndarray, bound: int, deadline: float) -> int | None:
         chunk = 4  # small steps first: between two checkpoints a light pipeline twists a few times
         while self.walked < bound:
+            if time.monotonic() > deadline:
+                return None  # out of time: walk on from here next time
             step = min(chunk, bound - self.walked)
             chunk = min(2 * chunk, _CHUNK_TWISTS)
             block = self.generator.random_raw(_MT_WORDS * step).reshape(step, _MT_WORDS)
@@ -206,9 +214,10 @@ def _parts(blob: bytes, seed: tuple[bytes, bytes, bytes]) -> list[bytes]:
     return parts
 
 
-def compact(blob: bytes, base_seed: int, worker_id: int) -> bytes:
+def compact(blob: bytes, base_seed: int, worker_id: int, deadline: float = float("inf")) -> bytes:
     """``blob`` (a ``capture_rng`` blob of worker ``worker_id`` seeded from
-    ``base_seed``) with each moved state found near its seed written as a code."""
+    ``base_seed``) with each moved state found near its seed, before ``deadline``
+    (``time.monotonic()``), written as a code."""
     flags = blob[0]
     if (flags & 0b111) == 0b111 or flags >> _CODED_SHIFT:
         return blob  # nothing moved, or already compact
@@ -223,7 +232,7 @@ def compact(blob: bytes, base_seed: int, worker_id: int) -> bytes:
         twists = None
         if _codable(part) and len(raw) == _PART_BYTES[part]:
             with _paths_lock:
-                twists = _path(base_seed, worker_id, part, seed[part]).find(words)
+                twists = _path(base_seed, worker_id, part, seed[part]).find(words, deadline)
         if twists is None:
             kept.append(raw)
             continue
