@@ -307,8 +307,11 @@ def test_num_workers_0_batches_stay_out_of_shared_memory() -> None:
         theirs = next(iter(torch.utils.data.DataLoader(Augmented(6), batch_size=batch_size)))
         ours = next(iter(snaploader.DataLoader(Augmented(6), batch_size=batch_size)))
         assert not theirs.is_shared() and not ours.is_shared()
-    # while the dataset still sees itself as worker 0 of 1
-    probe = next(iter(snaploader.DataLoader(WorkerInfoProbe(2), batch_size=2)))
+    # and so do logical workers hosted in the main process, while their dataset sees
+    # itself as worker 0 of 1 (num_workers=0 itself gives no worker info, as torch)
+    hosted = snaploader.DataLoader(Augmented(6), batch_size=3, num_workers=0, logical_workers=1)
+    assert not next(iter(hosted)).is_shared()
+    probe = next(iter(snaploader.DataLoader(WorkerInfoProbe(2), batch_size=2, logical_workers=1)))
     assert probe[:, 1:4].tolist() == [[0, 0, 1]] * 2
 
 

@@ -71,6 +71,7 @@ _CARRIED_OPTIONS = (
     "rng_objects",
     "exclude_rngs",
     "state_protocol",
+    "logical_workers",
 )
 _ALIASES = ("snapshot_every_n_steps",)
 
