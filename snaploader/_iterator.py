@@ -32,7 +32,6 @@ from torch.utils.data._utils import pin_memory as torch_pin_memory
 from ._errors import (
     CheckpointFormatError,
     ReplayRefusedError,
-    ResumeMismatchWarning,
     WorkerCrashedError,
     length_message,
     short_indices,
@@ -57,7 +56,7 @@ from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
 from ._receiver import ProcessRunner
 from ._rng import RngSource
 from ._runner import Runner
-from ._selfcheck import batch_digest, mismatch_message
+from ._selfcheck import check_restored_batch
 from ._settings import LoaderSettings
 
 _SETTLE_TIMEOUT_S: Final = 5.0
@@ -339,22 +338,8 @@ class SnapIterator:
             self._dispatch()
 
     def _self_check(self, slot: int, result: Result) -> None:
-        """Compare a restored slot's first batch with the digest the checkpoint kept
-        of it (see _selfcheck.py); warn once per restore."""
-        progress = self.progress
-        expected = progress.expected_digests[slot]
-        if expected is None or expected[0] != result.snapshot.produced:
-            return
-        progress.expected_digests[slot] = None
-        if batch_digest(result.payload) == expected[1]:
-            return
-        progress.expected_digests = []
         worker = f"worker {slot}" if self.settings.num_workers > 0 else "the main process"
-        warnings.warn(
-            mismatch_message(progress.yielded, progress.epoch, worker, expected[0]),
-            ResumeMismatchWarning,
-            stacklevel=user_stacklevel(),
-        )
+        check_restored_batch(self.progress, slot, result, worker)
 
     def _check_reported_length(self) -> None:
         # torch's warning, in torch's words: len(loader) was asked of an iterable
