@@ -16,6 +16,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import snaploader
 from snaploader._layout import digest_of, sha256_of
+from snaploader._reshard import require_in_order
 
 from ._datasets import StatefulSampler
 from ._support import assert_same, assert_same_stream, generator
@@ -174,9 +175,8 @@ def test_older_checkpoints_without_the_field_load_as_in_order() -> None:
     head, state = _cut(_loader(False, True, 1), 3)
     assert state["in_order"] is True
     del state["in_order"]
-    state["digest"] = digest_of(state, [sha256_of(ledger) for ledger in state["workers"]])
     resumed = _loader(False, True, 1)
-    resumed.load_state_dict(state)
+    resumed.load_state_dict(_redigested(state))
     assert_same_stream(head + list(resumed), list(_loader(False, True, 1)))
 
 
@@ -185,3 +185,28 @@ def test_num_workers_0_stays_in_order() -> None:
         warnings.simplefilter("error")
         got = list(_loader(False, False, 0))
     assert_same_stream(got, list(_loader(False, True, 0)))
+
+
+def _redigested(state: dict[str, Any]) -> dict[str, Any]:
+    state["digest"] = digest_of(state, [sha256_of(ledger) for ledger in state["workers"]])
+    return state
+
+
+def test_the_consistency_checks_follow_the_in_order_field() -> None:
+    head, state = _cut(_loader(False, False), 3)
+    counts = [w["yielded"]["produced"] if w["yielded"] else 0 for w in state["workers"]]
+    assert sum(counts) == 3 and counts != [2, 1]  # not the fixed order's position
+    claimed = _redigested({**state, "in_order": True})
+    with pytest.raises(snaploader.CheckpointFormatError, match="needs"):
+        _loader(False, False).load_state_dict(claimed)
+    too_many = json.loads(json.dumps(state))
+    busy = counts.index(max(counts))
+    too_many["workers"][busy]["yielded"]["produced"] = N // BATCH
+    with pytest.raises(snaploader.CheckpointFormatError, match="share"):
+        _loader(False, False).load_state_dict(_redigested(too_many))
+
+
+def test_repartitioning_refuses_a_mid_epoch_unordered_checkpoint() -> None:
+    require_in_order([{"in_order": False, "ended": True}, {"ended": False}])
+    with pytest.raises(snaploader.CheckpointMismatchError, match="in_order=False"):
+        require_in_order([{"ended": False}, {"in_order": False, "ended": False}])
