@@ -32,6 +32,9 @@ Layout (version 3; version 2 is read too, see ``_layout.READABLE_VERSIONS``)::
     skip           batches still to skip before the next one is yielded (a skip asked
                    with ``load_state_dict(skip=...)`` and not yet carried out; it
                    applies to the next epoch when ``ended``); absent in older files: 0
+    in_order       False when the epoch's batches may have been yielded out of the fixed
+                   order (in_order=False): the ledgers' counts are then the position,
+                   and ``yielded`` only their sum; absent in older files: True
     next_batches   per worker, {produced, digest} of its next batch when it had already
                    arrived (the resume self-check, _selfcheck.py), or None
     workers        one ledger per logical worker (see _ledger.py):
@@ -158,7 +161,7 @@ def build_state(
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
             base_seed=None, drew_base_seed=True, sampler_state=None, sampler_epoch=None,
-            skip=0, logical_workers=logical,
+            skip=0, logical_workers=logical, in_order=True,
         )
     else:
         position: Position = progress.position
@@ -178,6 +181,7 @@ def build_state(
             sampler_epoch=progress.sampler_epoch,
             skip=position.skip,
             logical_workers=progress.logical,
+            in_order=progress.in_order,
         )
         deadline = time.monotonic() + SEARCH_BUDGET_S
         ledgers = [
@@ -298,6 +302,7 @@ def read_state(
         sampler_epoch=state["sampler_epoch"],
         skip=state.get("skip", 0),
         logical=logical,
+        in_order=state.get("in_order", True),
     )
     return Restore(start, ledgers, None, None)
 

@@ -151,14 +151,19 @@ class InlineRunner(Runner):
             self._call(slot, lambda: runtime.resume(msg))
 
     def next_result(self, slot: int) -> tuple[Task, Result]:
-        state = self.slots[slot]
+        self.wait_any(slot)
+        task, result, _ = self.slots[slot].pop()
+        return task, result
+
+    def wait_any(self, first: int) -> None:
+        # Nothing runs ahead here, so only the slot the fixed order takes is ever
+        # ready: num_workers=0 yields in order whatever in_order says.
+        state = self.slots[first]
         if not state.received:
             task = state.outstanding[0]
-            runtime = self.runtimes[slot]
-            result = self._call(slot, lambda: runtime.run(task), _native_rng_of)
-            self.accept(slot, result)
-        task, result, _ = state.pop()
-        return task, result
+            runtime = self.runtimes[first]
+            result = self._call(first, lambda: runtime.run(task), _native_rng_of)
+            self.accept(first, result)
 
     def settle(self, timeout_s: float) -> None:
         # Tasks sent ahead of an iterable's end would each be answered "exhausted":

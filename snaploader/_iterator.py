@@ -12,7 +12,8 @@
 - Order is decided by data, never timing: map-style batch k comes from slot k mod W;
   iterable batches come round-robin from the slots not yet exhausted, and a slot
   counts as exhausted only when its own "exhausted" reply, or the short batch its
-  iterator ran dry in, is reached (both are data, not timing).
+  iterator ran dry in, is reached (both are data, not timing). ``in_order=False``
+  lets timing pick the slot, never what a slot yields (``_order.py``).
 - The iterator holds a :class:`LoaderSettings`, never the loader: a loader with
   persistent workers holds its iterator, and the reverse link would make a cycle that
   only the cyclic gc frees, leaving workers running after ``del loader``; and
@@ -31,7 +32,6 @@ from torch.utils.data._utils import pin_memory as torch_pin_memory
 from ._errors import (
     CheckpointFormatError,
     ReplayRefusedError,
-    ResumeMismatchWarning,
     WorkerCrashedError,
     length_message,
     short_indices,
@@ -43,17 +43,20 @@ from ._ledger import (
     EpochStart,
     Position,
     WorkerLedger,
+    first_due,
     replay_message,
     replay_without_protocol,
     resume_after,
+    share_count,
     skip_map_batches,
 )
+from ._order import MapDispatch, by_position, pick, round_robin
 from ._plan import IndexPlan, epoch_aware_part
 from ._protocol import Kind, Result, Task, WorkerError, WorkerSetup
 from ._receiver import ProcessRunner
 from ._rng import RngSource
 from ._runner import Runner
-from ._selfcheck import batch_digest, mismatch_message
+from ._selfcheck import check_restored_batch
 from ._settings import LoaderSettings
 
 _SETTLE_TIMEOUT_S: Final = 5.0
@@ -70,10 +73,14 @@ class SnapIterator:
         self.closed = False
         self.invalidated = False  # by the loader's load_state_dict(): next() raises
         self.progress: EpochProgress
-        self.plan: IndexPlan | None = None
-        self.plan_done = True
-        self.dispatched = 0
+        self.mapping: MapDispatch | None = None  # map-style: what is sent where
+        self.as_ready = False  # in_order=False with worker processes (_order.py)
         self.start_epoch(start)
+
+    @property
+    def dispatched(self) -> int:
+        """Map-style: the batches of the epoch drawn from the plan so far."""
+        return 0 if self.mapping is None else self.mapping.dispatched
 
     @property
     def worker_pids(self) -> list[int]:
@@ -87,6 +94,7 @@ class SnapIterator:
         if settings is not None:
             self.settings = settings
         settings = self.settings
+        self.as_ready = not settings.in_order and settings.num_workers > 0
         sampler_with_epoch = None if settings.iterable else epoch_aware_part(settings.index_sampler)
         if start.sampler_epoch is not None and sampler_with_epoch is not None:
             sampler_with_epoch.set_epoch(start.sampler_epoch)
@@ -96,6 +104,7 @@ class SnapIterator:
         logical = settings.logical_workers if start.logical is None else start.logical
         workers = list(start.workers or [WorkerLedger() for _ in range(max(1, logical))])
         yielded, skip, expected = start.yielded, start.skip, start.expected_digests
+        at_start = first_due(workers)  # where a restored stateful sampler stands
         if skip and not settings.iterable:
             # Map-style: the plan skips the indices and each worker keeps its snapshot,
             # so no skipped batch is fetched and none of its RNG draws is made. An
@@ -122,23 +131,23 @@ class SnapIterator:
                 drew_base_seed=start.draw_base_seed,
                 position=Position(yielded=yielded, turn=start.turn, workers=tuple(workers), skip=skip),
                 sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
-                plan_skip=yielded,
+                plan_skip=first_due(workers),
                 logical=logical,
+                in_order=start.in_order and not self.as_ready,
             )
             self._warn_or_refuse_replay()
             self._ready_workers(base_seed)
             # The sampler draws after the workers exist, as in torch: forked workers then
             # do not each inherit a copy of the epoch's index list.
-            self.plan = None
+            plan, self.mapping = None, None
             if not settings.iterable:
-                self.plan = IndexPlan(
-                    settings.index_sampler, yielded, start.sampler_state, state_at=start.yielded
-                )
-        self.progress.attach_plan(self.plan)
+                start_at = self.progress.plan_skip
+                plan = IndexPlan(settings.index_sampler, start_at, start.sampler_state, state_at=at_start)
+                counts = [share_count(ledger) for ledger in workers]
+                self.mapping = MapDispatch(plan, start_at, counts, settings.prefetch, not self.as_ready)
+        self.progress.attach_plan(plan)
         if expected is not None and settings.check_resume:
             self.progress.expected_digests = list(expected)
-        self.plan_done = self.plan is None
-        self.dispatched = yielded
         self._dispatch()
 
     def _ready_workers(self, base_seed: int) -> None:
@@ -231,17 +240,8 @@ class SnapIterator:
                     runner.send(slot, Task(state.sent, None))
                     state.sent += 1
             return
-        if self.plan is None:
-            return
-        slots = self.progress.slots
-        limit = self.progress.yielded + settings.prefetch * slots
-        while not self.plan_done and self.dispatched < limit:
-            indices = self.plan.take()
-            if indices is None:
-                self.plan_done = True
-                break
-            runner.send(self.dispatched % slots, Task(self.dispatched, indices))
-            self.dispatched += 1
+        if self.mapping is not None:
+            self.mapping.top_up(runner, first_due(self.progress.workers))
 
     # -- yielding ------------------------------------------------------------------
 
@@ -288,30 +288,29 @@ class SnapIterator:
             data = torch_pin_memory.pin_memory(data, self.settings.pin_device)
         return data
 
-    def _next_result(self) -> tuple[int, Task, Result] | None:
-        """The slot, task and result of the next batch in the fixed order, or None at
-        the end of the epoch. An iterable slot's "exhausted" reply is published here."""
+    def _next_result(self, ordered: bool = False) -> tuple[int, Task, Result] | None:
+        """The slot, task and result of the next batch (in the fixed order when
+        ``ordered`` or not ``as_ready``), or None at the end of the epoch. An iterable
+        slot's "exhausted" reply is published here."""
         progress = self.progress
         runner = self.runner
         if runner is None:
             return None
-        slots = progress.slots
-        if not self.settings.iterable:
-            if self.plan_done and progress.yielded >= self.dispatched:
+        as_ready = self.as_ready and not ordered
+        if self.mapping is not None:
+            first = first_due(progress.workers)
+            if self.mapping.finished(first):
                 return None
-            slot = progress.yielded % slots
+            slot = pick(runner, by_position(progress.workers)) if as_ready else first % progress.slots
             return (slot, *runner.next_result(slot))
-        turn = progress.position.turn
-        while not all(ledger.exhausted for ledger in progress.workers):
-            slot = turn
-            turn = (slot + 1) % slots
-            if progress.workers[slot].exhausted:
-                continue
+        while live := round_robin(progress.workers, progress.position.turn):
             # When next_result raises (a poison batch, a timeout), the published turn
-            # still points at this slot, so state_dict() resumes at its batch.
+            # still points at this slot (or an exhausted one before it), so
+            # state_dict() resumes at its batch.
+            slot = pick(runner, live) if as_ready else live[0]
             task, result = runner.next_result(slot)
             if result.kind is Kind.EXHAUSTED:
-                progress.advance(slot, result.snapshot, turn=turn, yielded=False)
+                progress.advance(slot, result.snapshot, turn=(slot + 1) % progress.slots, yielded=False)
                 continue
             return slot, task, result
         return None
@@ -322,7 +321,7 @@ class SnapIterator:
         progress = self.progress
         asked = progress.position.skip
         while progress.position.skip:
-            found = self._next_result()
+            found = self._next_result(ordered=True)  # a skip counts in the fixed order
             if found is None:
                 warnings.warn(
                     f"the skip asked for {asked} batch(es) of epoch {progress.epoch}, but "
@@ -339,22 +338,8 @@ class SnapIterator:
             self._dispatch()
 
     def _self_check(self, slot: int, result: Result) -> None:
-        """Compare a restored slot's first batch with the digest the checkpoint kept
-        of it (see _selfcheck.py); warn once per restore."""
-        progress = self.progress
-        expected = progress.expected_digests[slot]
-        if expected is None or expected[0] != result.snapshot.produced:
-            return
-        progress.expected_digests[slot] = None
-        if batch_digest(result.payload) == expected[1]:
-            return
-        progress.expected_digests = []
         worker = f"worker {slot}" if self.settings.num_workers > 0 else "the main process"
-        warnings.warn(
-            mismatch_message(progress.yielded, progress.epoch, worker, expected[0]),
-            ResumeMismatchWarning,
-            stacklevel=user_stacklevel(),
-        )
+        check_restored_batch(self.progress, slot, result, worker)
 
     def _check_reported_length(self) -> None:
         # torch's warning, in torch's words: len(loader) was asked of an iterable
@@ -374,9 +359,10 @@ class SnapIterator:
         else:
             place = f"in DataLoader worker process {slot}"
         epoch = self.progress.epoch
-        where = f"{place} while loading batch {self.progress.yielded - 1} of epoch {epoch}"
-        if not self.settings.iterable:
-            where += f" (sample indices {short_indices(task.indices)})"
+        if self.settings.iterable:
+            where = f"{place} while loading batch {self.progress.yielded - 1} of epoch {epoch}"
+        else:
+            where = f"{place} while loading batch {task.key} of epoch {epoch} (sample indices {short_indices(task.indices)})"
         return where
 
     def _end_epoch(self) -> None:

@@ -169,6 +169,8 @@ def validate(state: Any) -> None:
     if state["rng_kind"] not in ("generator", "global"):
         raise _fail("loader state['rng_kind']", f"should be 'generator' or 'global', got {state['rng_kind']!r}")
     check_count("loader state['skip']", state.get("skip", 0))
+    if type(state.get("in_order", True)) is not bool:
+        raise _fail("loader state['in_order']", f"should be True or False, got {state['in_order']!r:.60}")
     for w, ledger in enumerate(workers):
         check_count(f"loader state['workers'][{w}]['skipped']", ledger.get("skipped", 0))
     if version > 2 and state["logical_workers"] < 0:
@@ -266,6 +268,7 @@ def check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
             f"(logical_workers {logical_workers_of(state)!r})",
         )
     turn, yielded = state["turn"], state["yielded"]
+    in_order = state.get("in_order", True)
     if not 0 <= turn < facts.slots or (not facts.iterable and turn != 0):
         raise _fail("loader state['turn']", f"is {turn}; expected 0{'' if not facts.iterable else f' to {facts.slots - 1}'}")
     if facts.batches_per_epoch is not None:
@@ -308,16 +311,21 @@ def check_consistent(state: dict[str, Any], facts: LoaderFacts) -> None:
             )
         if isinstance(complete, dict) and (not complete["complete"] or complete["produced"] >= count - skipped):
             raise _fail(f"{where}['yielded_complete']", "should be a complete snapshot older than the last yielded one")
-        if not facts.iterable:
+        if not facts.iterable and in_order:
             # Map-style batch k comes from worker k mod W: the counts are fixed.
             due = len(range(w, yielded, facts.slots))
             if count != due:
                 raise _fail(f"{where}['yielded']", f"says {count} batch(es) produced; batch {yielded} of the epoch needs {due}")
+        elif not facts.iterable and facts.batches_per_epoch is not None:
+            # in_order=False: any prefix of the worker's share.
+            share = len(range(w, facts.batches_per_epoch, facts.slots))
+            if count > share:
+                raise _fail(f"{where}['yielded']", f"says {count} batch(es) produced; its share of the epoch is {share}")
     if facts.iterable and state["ended"] and not all(ledger["exhausted"] for ledger in workers):
         raise _fail("loader state['ended']", "is True, but not every worker of the iterable ran dry")
     if sum(produced) != yielded:
         raise _fail("loader state['yielded']", f"is {yielded}, but the workers produced {sum(produced)} batch(es)")
-    if facts.iterable:
+    if facts.iterable and in_order:
         # The round-robin visits the slots not yet exhausted in order from slot 0: each
         # has produced the same number of batches, one more for those before ``turn``.
         live = [w for w, ledger in enumerate(workers) if not ledger["exhausted"]]

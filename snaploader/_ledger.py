@@ -15,7 +15,7 @@ half of each.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -114,6 +114,19 @@ def skip_map_batches(
     return out
 
 
+def share_count(ledger: WorkerLedger) -> int:
+    """The batches of its share the worker has yielded (or skipped) this epoch."""
+    return (0 if ledger.yielded is None else ledger.yielded.produced) + ledger.skipped
+
+
+def first_due(workers: Sequence[WorkerLedger]) -> int:
+    """Map-style: the first batch of the epoch not yet yielded, batch k being worker
+    k mod W's (k // W)-th. In order it is the yielded count; with ``in_order=False``
+    batches after it may have been yielded too (``_order.py``)."""
+    slots = len(workers)
+    return min((w + share_count(ledger) * slots for w, ledger in enumerate(workers)), default=0)
+
+
 def replay_without_protocol(ledger: WorkerLedger) -> int:
     """Batches a restored worker must read again from the epoch start because its
     iterable has no state protocol (0 when it has one: snapshot_every's replay from a
@@ -161,6 +174,10 @@ class EpochProgress:
     # The logical worker count of the epoch (NOTE [ logical workers ] in _host.py): 0
     # for the main-process contract of num_workers=0; one ledger per slot, max(1, it).
     logical: int = 1
+    # False when batches may have been yielded out of the fixed order this epoch
+    # (in_order=False, or a restore of such a checkpoint): the per-worker counts are
+    # then all the position there is (_order.py).
+    in_order: bool = True
 
     @property
     def slots(self) -> int:
@@ -182,7 +199,7 @@ class EpochProgress:
         """Per slot, the count and digest of its next batch, if it has arrived."""
         out: list[tuple[int, str] | None] = []
         for slot, ledger in enumerate(self.position.workers):
-            produced = (0 if ledger.yielded is None else ledger.yielded.produced) + ledger.skipped + 1
+            produced = share_count(ledger) + 1
             digest = self.received_digests[slot].get(produced)
             out.append(None if digest is None else (produced, digest))
         return out
@@ -202,12 +219,14 @@ class EpochProgress:
     def attach_plan(self, plan: Any) -> None:
         """The epoch's IndexPlan, once drawn; the position then carries its state."""
         self.plan = plan
-        self.position = replace(self.position, sampler_state=self._sampler_state(self.yielded))
+        self.position = replace(self.position, sampler_state=self._sampler_state(self.position.workers))
 
-    def _sampler_state(self, yielded: int) -> Any:
+    def _sampler_state(self, workers: Sequence[WorkerLedger]) -> Any:
+        # Before the first batch not yet yielded: a restore draws the plan on from there
+        # and sends only the batches not yielded (the yielded count, in order).
         if self.plan is None:
             return None
-        return self.plan.sampler_state_before(yielded - self.plan_skip)
+        return self.plan.sampler_state_before(first_due(workers) - self.plan_skip)
 
     def advance(self, slot: int, snapshot: Snapshot, *, turn: int, yielded: bool) -> None:
         """Publish the position after ``slot``'s batch (``yielded``) or its "exhausted"
@@ -221,10 +240,10 @@ class EpochProgress:
         # While a skip is pending, the batches taken are the skipped ones (_iterator.py).
         skip = position.skip - 1 if yielded and position.skip else position.skip
         self.position = Position(
-            count, turn, tuple(workers), False, self._sampler_state(count), skip
+            count, turn, tuple(workers), False, self._sampler_state(workers), skip
         )
         if yielded and self.plan is not None:
-            self.plan.forget_before(count - self.plan_skip)
+            self.plan.forget_before(first_due(workers) - self.plan_skip)
         received = self.received_digests[slot]
         for produced in [p for p in received if p <= snapshot.produced]:
             del received[produced]
@@ -233,7 +252,7 @@ class EpochProgress:
         """Publish that the epoch is over."""
         # A skip never carries over into the next epoch (docs/api.md).
         self.position = replace(
-            self.position, ended=True, sampler_state=self._sampler_state(self.yielded), skip=0
+            self.position, ended=True, sampler_state=self._sampler_state(self.workers), skip=0
         )
 
 
@@ -253,6 +272,7 @@ class EpochStart:
     expected_digests: list[tuple[int, str] | None] | None = None  # the self-check's
     skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
     logical: int | None = None  # the epoch's logical worker count (None: the loader's)
+    in_order: bool = True  # False: a restored epoch yielded out of the fixed order
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:

@@ -154,14 +154,6 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 "worker (torch's DataLoader accepts it at construction, then raises "
                 "AssertionError at iter()); use prefetch_factor >= 1"
             )
-        if not in_order:
-            warnings.warn(
-                "in_order=False has no effect in snaploader: batches are always yielded "
-                "in order, because an order that depends on timing cannot be resumed "
-                "exactly",
-                UserWarning,
-                stacklevel=2,
-            )
         snapshot_every = _resolve_snapshot_every(snapshot_every, snapshot_every_n_steps)
         if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 1:
             raise ValueError(f"snapshot_every should be an int >= 1, got {snapshot_every!r}")
@@ -242,6 +234,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             rng_census=self._rng_census,
             state_protocol=self.state_protocol,
             logical_workers=self.logical_workers,
+            in_order=self.in_order,
         )
 
     def _warn_pin_memory(self) -> None:
@@ -369,6 +362,13 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         restore = read_state(
             state, self._fingerprint(), frozenset(allow_mismatch), facts, self.persistent_workers
         )
+        if not restore.start.in_order and (skip or skip_to is not None):
+            raise ValueError(
+                f"skip={skip}, skip_to={skip_to}: a skip counts batches in the fixed order, "
+                f"and this checkpoint was taken in the middle of epoch {restore.start.epoch} "
+                "with in_order=False, whose yielded batches are not the first ones of the "
+                "epoch. Skip from a checkpoint taken with in_order=True or at an epoch's end"
+            )
         extra = skip_count(restore.start, skip, skip_to, facts.batches_per_epoch)
         if extra:
             total = restore.start.skip + extra

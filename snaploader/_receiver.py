@@ -42,7 +42,7 @@ import time
 import warnings
 from multiprocessing.connection import wait
 from multiprocessing.context import BaseContext
-from typing import Final
+from typing import Callable, Final
 
 import cloudpickle
 
@@ -152,24 +152,37 @@ class ProcessRunner(Runner):
 
     def next_result(self, slot: int) -> tuple[Task, Result]:
         state = self.slots[slot]
+        self._wait_until(lambda: bool(state.received), slot)
+        task, result, fds = state.pop()
+        self.held_fds -= fds
+        return task, result
+
+    def wait_any(self, first: int) -> None:
+        if not any(self.ready(slot) or self.slots[slot].outstanding for slot in range(self.count)):
+            raise RuntimeError("the loader waits for a batch no worker owes (please report this)")
+        self._wait_until(lambda: any(self.ready(slot) for slot in range(self.count)), first, anyone=True)
+
+    def _wait_until(self, met: Callable[[], bool], slot: int, anyone: bool = False) -> None:
+        """Receive until ``met()``, reading ``slot``'s answers whatever the fd budget;
+        raise its failure when its failed batch is due, or a timeout."""
+        state = self.slots[slot]
         deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
-        while not state.received:
+        while not met():
             if state.failed is not None and not state.outstanding:
                 raise state.failed
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._pump(wait_s, slot)
-            if not state.received and deadline is not None and time.monotonic() >= deadline:
+            if not met() and deadline is not None and time.monotonic() >= deadline:
                 waited = self.pool.workers[slot % self.processes]
                 pid = waited.pid if waited is not None else "?"
                 key = state.outstanding[0].key if state.outstanding else "?"
+                what = f"worker {slot} (pid {pid}) to produce batch {key} of epoch {self.epoch}"
+                if anyone:
+                    what = f"any worker to produce a batch (in_order=False), the first in order being {what}"
                 raise RuntimeError(
                     f"DataLoader timed out after {self.timeout_s:g} seconds waiting for "
-                    f"worker {slot} (pid {pid}) to produce batch {key} of epoch "
-                    f"{self.epoch}; raise timeout= or make the dataset faster"
+                    f"{what}; raise timeout= or make the dataset faster"
                 )
-        task, result, fds = state.pop()
-        self.held_fds -= fds
-        return task, result
 
     def poll(self) -> None:
         self._pump(0.0, None)

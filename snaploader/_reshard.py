@@ -181,6 +181,20 @@ def _position(who: str, state: dict[str, Any]) -> tuple[int, bool, int]:
     return state["epoch"], state["ended"], state["yielded"] + skip
 
 
+def require_in_order(states: Sequence[dict[str, Any]]) -> None:
+    """Refuse to re-partition an epoch some rank yielded out of order: what is left of
+    it is then not "all but the first N batches" of each rank."""
+    for rank, state in enumerate(states):
+        if not state.get("in_order", True) and not state["ended"]:
+            raise _refuse(
+                f"rank {rank}'s checkpoint",
+                "was taken in the middle of an epoch with in_order=False: its yielded "
+                "batches are not the first ones of the epoch, which re-partitioning "
+                "needs. Reshard from checkpoints taken at an epoch's end or with "
+                "in_order=True, or resume on a world size that divides the old one",
+            )
+
+
 def _source_of(states: list[dict[str, Any]]) -> Source:
     epochs = {(state["epoch"], state["sampler_epoch"]) for state in states}
     if len(epochs) > 1:

@@ -7,7 +7,9 @@ main process, ``_inline.py``).
 
 Per slot, this epoch: ``outstanding`` tasks were sent and not answered; ``received``
 answers wait to be yielded. Answers are accepted strictly in the order the tasks were
-sent, so a slot's ledger stays contiguous whatever the timing.
+sent, so a slot's ledger stays contiguous whatever the timing, and whatever order the
+iterator takes the slots in (``in_order=False`` takes whichever is :meth:`Runner.ready`,
+``_order.py``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,18 @@ class Runner(ABC):
     @abstractmethod
     def next_result(self, slot: int) -> tuple[Task, Result]:
         """The answer to ``slot``'s oldest outstanding task; waits for it."""
+
+    def ready(self, slot: int) -> bool:
+        """True when :meth:`next_result` of ``slot`` returns (or raises) at once: an
+        answer was received, or its failed batch is due."""
+        state = self.slots[slot]
+        return bool(state.received) or (state.failed is not None and not state.outstanding)
+
+    @abstractmethod
+    def wait_any(self, first: int) -> None:
+        """Wait until some slot is :meth:`ready`; ``first`` is the one the fixed order
+        would take (the fd budget always lets its answers in; run in the main process,
+        it is the one run)."""
 
     def own_epoch_start(self) -> Snapshot | None:
         """Under the main-process contract, the epoch-start state of a dataset that has

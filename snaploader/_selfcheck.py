@@ -19,9 +19,16 @@ the batch.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Final
+import warnings
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
+
+from ._errors import ResumeMismatchWarning, user_stacklevel
+
+if TYPE_CHECKING:
+    from ._ledger import EpochProgress
+    from ._protocol import Result
 
 _EDGE_ELEMENTS: Final = 64
 _DIGEST_BYTES: Final = 12
@@ -65,6 +72,23 @@ def _feed(h: Any, value: Any) -> None:
         h.update(b"]")
     else:
         h.update(repr(value).encode(errors="replace"))
+
+
+def check_restored_batch(progress: EpochProgress, slot: int, result: Result, worker: str) -> None:
+    """Compare a restored slot's first batch with the digest the checkpoint kept of it;
+    warn once per restore. ``worker``: the slot in words."""
+    expected = progress.expected_digests[slot]
+    if expected is None or expected[0] != result.snapshot.produced:
+        return
+    progress.expected_digests[slot] = None
+    if batch_digest(result.payload) == expected[1]:
+        return
+    progress.expected_digests = []
+    warnings.warn(
+        mismatch_message(progress.yielded, progress.epoch, worker, expected[0]),
+        ResumeMismatchWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def mismatch_message(batch: int, epoch: int, worker: str, produced: int) -> str:

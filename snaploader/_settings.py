@@ -41,6 +41,7 @@ class LoaderSettings:
     rng_census: RngCensus | None = None
     state_protocol: bool = True
     logical_workers: int = 0  # the stream's worker count for a new epoch (_host.py)
+    in_order: bool = True  # False: yield each worker's batches as they come (_order.py)
 
     @property
     def prefetch(self) -> int:

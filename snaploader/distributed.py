@@ -37,7 +37,7 @@ from torch.utils.data import Sampler
 from ._errors import CheckpointFormatError
 from ._layout import sha256_of
 from ._loader import DataLoader
-from ._reshard import Source, World, gather, hosted, remaining, sampler_for, share
+from ._reshard import Source, World, gather, hosted, remaining, require_in_order, sampler_for, share
 
 __all__ = ["RemainderSampler", "ReshardedLoader", "concat", "dcp_states", "reshard"]
 
@@ -298,6 +298,7 @@ def reshard(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
             combine=combine, loaders=[after], epoch=_epoch_of(world),
         )
+    require_in_order(world.states)
     mine = share(remaining(world.source), world.source.batch_size, rank, world_size)
     return ReshardedLoader(
         mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
