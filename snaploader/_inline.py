@@ -140,10 +140,11 @@ class InlineRunner(Runner):
             return None
         if runtime.seed_rng is None:
             raise RuntimeError("the main-process slot was never initialized")
-        data = dataset.state_dict()
+        # the slot's generator objects swapped in, to take their epoch-start states
+        data, (objects, _) = self._call(0, lambda: (dataset.state_dict(), runtime.objects.snapshot()))
         check_plain(data, f"{type(dataset).__qualname__}.state_dict()")
         # the fresh seed state: resume() restores it, then calls iter(dataset), as now
-        return Snapshot(runtime.seed_rng, 0, runtime._copied(data), "dataset", True)
+        return Snapshot(runtime.seed_rng, 0, runtime._copied(data), "dataset", True, objects=objects)
 
     def _transmit(self, slot: int, msg: Resume | Task) -> None:
         if isinstance(msg, Resume):
