@@ -130,7 +130,8 @@ def _ledger_to_plain(
         "skipped": ledger.skipped,
     }
     entry = (out, sha256_of(out))
-    ledger.cache.append(entry)
+    if time.monotonic() <= deadline:  # else a state may be raw for want of time: search again next call
+        ledger.cache.append(entry)
     return entry
 
 

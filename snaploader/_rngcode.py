@@ -58,11 +58,11 @@ from ._rng_raw import (
 # (20 million doubles) from one generator since the worker was seeded. A search that
 # gives up marks the worker's path as walked to the bound, so it is paid once. And one
 # state_dict() searches for at most SEARCH_BUDGET_S in all: a state not found by then is
-# stored raw this time (a size cost, never an exactness one), and the next call walks
-# on from where this one stopped. So a heavy pipeline's first checkpoints of an epoch
+# stored raw this time (a size cost, never an exactness one; that ledger's plain form is
+# then not cached), and the next call walks on from where this one stopped. So a heavy pipeline's first checkpoints of an epoch
 # are never slow; its states are stored raw until the bound is walked.
 MAX_TWISTS: Final = 2**16
-SEARCH_BUDGET_S: Final = 0.01
+SEARCH_BUDGET_S: Final = 0.1
 _MT_WORDS: Final = 624
 _WORDS_BYTES: Final = _MT_WORDS * 4
 _CHUNK_TWISTS: Final = 256  # twists generated per NumPy call while searching (1.3 MB)
