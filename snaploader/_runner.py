@@ -46,7 +46,9 @@ class Runner(ABC):
     """Worker slots that answer :class:`Task` messages in order, one Result each."""
 
     def __init__(self, logical: int) -> None:
-        self._logical = logical
+        # The logical worker count these slots were started for (0: the main-process
+        # contract, one slot).
+        self.logical = logical
         self.count = max(1, logical)  # slots: one per logical worker (NOTE [ logical workers ])
         self.slots = [Slot() for _ in range(self.count)]
         self.progress: EpochProgress | None = None
@@ -130,12 +132,6 @@ class Runner(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the workers. Never blocks for long; safe to call twice."""
-
-    @property
-    def logical(self) -> int:
-        """The logical worker count these slots were started for (0: the main-process
-        contract, one slot)."""
-        return self._logical
 
     @property
     @abstractmethod
