@@ -108,7 +108,12 @@ class ProcessRunner(Runner):
         if context.get_start_method() != "fork":
             payload = cloudpickle.dumps(setup)
         elif self.processes < count:
-            copy_setup(setup, fresh=True)  # the copies each logical worker needs: fail here, clearly
+            # Each hosted logical worker needs a copy (copy_setup): fail here, clearly,
+            # without building one in this process when pickling alone shows it can be made.
+            try:
+                cloudpickle.dumps(setup)
+            except Exception:
+                copy_setup(setup, fresh=True)  # a deep copy, or the clear error
         self.pool = Pool(
             context, self.processes, worker_main, lambda p: (payload, p, self.hosted[p], count)
         )
