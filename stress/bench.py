@@ -35,6 +35,7 @@ import math
 import multiprocessing
 import os
 import platform
+import random
 import statistics
 import sys
 import threading
@@ -92,7 +93,9 @@ class Config:
     trial_s: float  # a trial stops after this long (or at the end of its epoch)
     workloads: dict[str, int]  # workload -> epoch length in batches
     snapshot_calls: int
-    state_dict_cases: tuple[tuple[int, int], ...]  # (num_workers, dataset length)
+    # (num_workers, dataset length, pipeline): "plain" items draw nothing; "rng" items
+    # draw from the three global RNGs, with persistent workers, read in epoch 2
+    state_dict_cases: tuple[tuple[int, int, str], ...]
     state_dict_calls: int
     restore_items: int
     restore_batch_size: int
@@ -113,7 +116,10 @@ class Config:
             trial_s=2.0,
             workloads={w.name: w.batches for w in WORKLOADS},
             snapshot_calls=5000,
-            state_dict_cases=((2, 10_000), (8, 10_000), (2, 10**7), (8, 10**7)),
+            state_dict_cases=(
+                (2, 10_000, "plain"), (8, 10_000, "plain"), (2, 10**7, "plain"), (8, 10**7, "plain"),
+                (8, 10_000, "rng"),
+            ),
             state_dict_calls=2000,
             restore_items=10**6,
             restore_batch_size=64,
@@ -130,7 +136,7 @@ class Config:
             trial_s=0.5,
             workloads={w.name: w.batches for w in WORKLOADS},
             snapshot_calls=1000,
-            state_dict_cases=((2, 10_000), (8, 10_000), (8, 10**6)),
+            state_dict_cases=((2, 10_000, "plain"), (8, 10_000, "plain"), (8, 10**6, "plain"), (8, 4_000, "rng")),
             state_dict_calls=300,
             restore_items=2 * 10**5,
             restore_batch_size=256,
@@ -178,6 +184,14 @@ class AugmentedTinyItems(TinyItems):
 
     def __getitem__(self, index: int) -> int:
         return index * 1000 + int(np.random.randint(1000))
+
+
+class RngItems(TinyItems):
+    """A tiny item plus one draw from each of the worker's three global RNGs (Python,
+    NumPy, torch): every state in the checkpoint has moved."""
+
+    def __getitem__(self, index: int) -> int:
+        return index * 1000 + random.randrange(10) + int(np.random.randint(10)) + int(torch.randint(10, ()))
 
 
 class LargeItems(Dataset[torch.Tensor]):
@@ -284,7 +298,9 @@ def available(contenders: dict[str, Contender]) -> list[Contender]:
     return [c for c in contenders.values() if c.skipped is None]
 
 
-def build_loader(contender: Contender, dataset: Any, batch_size: int, workers: int, seed: int) -> Any:
+def build_loader(
+    contender: Contender, dataset: Any, batch_size: int, workers: int, seed: int, persistent: bool = False
+) -> Any:
     assert contender.make is not None
     return contender.make(
         dataset,
@@ -292,6 +308,7 @@ def build_loader(contender: Contender, dataset: Any, batch_size: int, workers: i
         shuffle=True,
         num_workers=workers,
         generator=torch.Generator().manual_seed(seed),
+        persistent_workers=persistent,
     )
 
 
@@ -682,24 +699,33 @@ def saved_size(state: Any) -> int:
 
 
 def measure_state_dict(
-    contenders: Sequence[Contender], cases: Sequence[tuple[int, int]], calls: int, seed: int = 0
+    contenders: Sequence[Contender], cases: Sequence[tuple[int, int, str]], calls: int, seed: int = 0
 ) -> list[dict[str, Any]]:
     """state_dict() latency (µs, every call timed alone) mid-epoch and its torch.save
-    size, per contender with a state_dict(), per (num_workers, dataset length) case.
-    The loaders shuffle, so a long dataset would show in the size if the sampler's
-    position were saved as anything but a count."""
+    size, per contender with a state_dict(), per (num_workers, dataset length, pipeline)
+    case. The loaders shuffle, so a long dataset would show in the size if the sampler's
+    position were saved as anything but a count. An "rng" case runs persistent workers
+    whose items draw from all three global RNGs through two whole epochs first, then
+    measures mid-way through the third: every worker's states have moved, and since its
+    seed, not just since the epoch began."""
     rows = []
-    for w, length in cases:
-        dataset = TinyItems(length)
+    for w, length, pipeline in cases:
+        rng = pipeline == "rng"
+        dataset = RngItems(length) if rng else TinyItems(length)
         for contender in contenders:
             if contender.name == "torch":
                 continue  # no state_dict()
-            loader = build_loader(contender, dataset, 16, w, seed)
-            iterator = iter(loader)
+            loader = build_loader(contender, dataset, 16, w, seed, persistent=rng)
+            iterator = None
             try:
+                for _ in range(2 if rng else 0):
+                    for _ in loader:
+                        pass
+                iterator = iter(loader)
                 for _ in range(2 * w + 3):
                     next(iterator)
                 time.sleep(0.05)  # let the prefetched batches land
+                loader.state_dict()  # the first call of an epoch finds the RNG codes (_rngcode.py)
                 times_ns = []
                 for _ in range(calls):
                     t0 = time.perf_counter_ns()
@@ -707,7 +733,8 @@ def measure_state_dict(
                     times_ns.append(time.perf_counter_ns() - t0)
                 size = saved_size(loader.state_dict())
             finally:
-                close_iterator(iterator)
+                if iterator is not None:
+                    close_iterator(iterator)
                 del iterator, loader
                 gc.collect()
             times_ns.sort()
@@ -716,6 +743,7 @@ def measure_state_dict(
                     "loader": contender.name,
                     "workers": w,
                     "dataset_len": length,
+                    "pipeline": pipeline,
                     "median_us": times_ns[len(times_ns) // 2] / 1e3,
                     "p90_us": times_ns[int(len(times_ns) * 0.9)] / 1e3,
                     "size_bytes": size,
@@ -901,13 +929,14 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
         biggest = max(ours, key=lambda r: r["size_bytes"])
         targets.append(Target(
             "state_dict() size (torch.save)", biggest["size_bytes"] / 1024, "<=", 64.0, "KB",
-            f"largest case: W={biggest['workers']}, length {biggest['dataset_len']:,}",
+            f"largest case: W={biggest['workers']}, length {biggest['dataset_len']:,}, {_pipeline(biggest)}",
         ))
-        lengths = sorted({r["dataset_len"] for r in ours})
+        plain = [r for r in ours if r.get("pipeline", "plain") == "plain"]
+        lengths = sorted({r["dataset_len"] for r in plain})
         if len(lengths) > 1:
             growth = 0
-            for w in {r["workers"] for r in ours}:
-                sizes = [r["size_bytes"] for r in sorted(ours, key=lambda r: r["dataset_len"])
+            for w in {r["workers"] for r in plain}:
+                sizes = [r["size_bytes"] for r in sorted(plain, key=lambda r: r["dataset_len"])
                          if r["workers"] == w]
                 growth = max(growth, sizes[-1] - sizes[0])
             # a few bytes may go to the length itself in the fingerprint, none per item
@@ -959,6 +988,12 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
 
 
 # -- output ---------------------------------------------------------------------------------
+
+
+def _pipeline(row: dict[str, Any]) -> str:
+    if row.get("pipeline", "plain") == "rng":
+        return "3 RNGs drawn, persistent, epoch 2"
+    return "no RNG draws"
 
 
 def _fmt(value: Any, spec_: str = ".1f") -> str:
@@ -1028,12 +1063,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("state_dict"):
         lines += [
             "",
-            "| state_dict() | W | dataset length | median µs | p90 µs | torch.save size KB |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| state_dict() | W | dataset length | pipeline | median µs | p90 µs | torch.save size KB |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in report["state_dict"]:
             lines.append(
-                f"| {r['loader']} | {r['workers']} | {r['dataset_len']:,} | "
+                f"| {r['loader']} | {r['workers']} | {r['dataset_len']:,} | {_pipeline(r)} | "
                 f"{_fmt(r['median_us'])} | {_fmt(r['p90_us'])} | {_fmt(r['size_bytes'] / 1024)} |"
             )
     restore = report.get("restore")
@@ -1116,10 +1151,14 @@ def render_text(report: dict[str, Any]) -> str:
             out.append(f"  {name:8s} {c:11s} " + "  ".join(cells))
     if report.get("state_dict"):
         out.append("")
-        out.append(f"{'state_dict()':13s} {'W':>3s} {'length':>10s} {'median us':>10s} {'p90 us':>8s} {'size KB':>8s}")
+        out.append(
+            f"{'state_dict()':13s} {'W':>3s} {'length':>10s} {'pipeline':>28s} {'median us':>10s}"
+            f" {'p90 us':>8s} {'size KB':>8s}"
+        )
         for r in report["state_dict"]:
             out.append(
-                f"{r['loader']:13s} {r['workers']:>3d} {r['dataset_len']:>10d} {r['median_us']:>10.1f}"
+                f"{r['loader']:13s} {r['workers']:>3d} {r['dataset_len']:>10d} {_pipeline(r):>28s}"
+                f" {r['median_us']:>10.1f}"
                 f" {r['p90_us']:>8.1f} {r['size_bytes'] / 1024:>8.1f}"
             )
     restore = report.get("restore")

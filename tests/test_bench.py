@@ -28,7 +28,7 @@ def tiny_config(bench: ModuleType) -> Any:
         trial_s=0.2,
         workloads={"compute": 4, "tiny": 8, "large": 4, "sleep": 4},
         snapshot_calls=20,
-        state_dict_cases=((1, 100), (2, 100_000)),
+        state_dict_cases=((1, 100, "plain"), (2, 100_000, "plain"), (2, 200, "rng")),
         state_dict_calls=10,
         restore_items=2_000,
         restore_batch_size=16,
