@@ -92,11 +92,11 @@ class InlineRunner(Runner):
         main_rng = NativeRng.take()
         main_info = torch_worker._worker_info
         objects = runtime.objects
-        outside = objects.read_all()
+        outside = objects.read_all() if objects.access else None  # most datasets hold none
         rng, object_states = self.rng[slot], self.object_states[slot]
         if rng is not None:
             rng.put()
-        if object_states is not None:
+        if object_states:
             objects.write_all(object_states)
         set_worker_info(runtime.info)
         taken: NativeRng | None = None
@@ -111,8 +111,9 @@ class InlineRunner(Runner):
                 self._check_no_other_draws(taken)
             # resume() may have found the objects anew: take the slot's states from the
             # current ones, put the outside states back into those they were read from
-            self.object_states[slot] = runtime.objects.read_all()
-            objects.write_all(outside)
+            self.object_states[slot] = runtime.objects.read_all() if runtime.objects.access else None
+            if outside is not None:
+                objects.write_all(outside)
             main_rng.put()
             set_worker_info(main_info)
 

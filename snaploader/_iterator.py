@@ -241,7 +241,7 @@ class SnapIterator:
                     state.sent += 1
             return
         if self.mapping is not None:
-            self.mapping.top_up(runner, first_due(self.progress.workers))
+            self.mapping.top_up(runner, self.progress.first_due())
 
     # -- yielding ------------------------------------------------------------------
 
@@ -298,7 +298,7 @@ class SnapIterator:
             return None
         as_ready = self.as_ready and not ordered
         if self.mapping is not None:
-            first = first_due(progress.workers)
+            first = progress.first_due()
             if self.mapping.finished(first):
                 return None
             slot = pick(runner, by_position(progress.workers)) if as_ready else first % progress.slots

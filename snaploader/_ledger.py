@@ -178,6 +178,8 @@ class EpochProgress:
     # (in_order=False, or a restore of such a checkpoint): the per-worker counts are
     # then all the position there is (_order.py).
     in_order: bool = True
+    # first_due() of the position it was computed for (the position is immutable)
+    _due: tuple[Position | None, int] = field(default=(None, 0), repr=False, compare=False)
 
     @property
     def slots(self) -> int:
@@ -221,12 +223,19 @@ class EpochProgress:
         self.plan = plan
         self.position = replace(self.position, sampler_state=self._sampler_state(self.position.workers))
 
-    def _sampler_state(self, workers: Sequence[WorkerLedger]) -> Any:
+    def first_due(self) -> int:
+        """``first_due`` of the published position (map-style), computed once per position."""
+        position = self.position
+        if self._due[0] is not position:
+            self._due = (position, first_due(position.workers))
+        return self._due[1]
+
+    def _sampler_state(self, workers: Sequence[WorkerLedger], due: int | None = None) -> Any:
         # Before the first batch not yet yielded: a restore draws the plan on from there
         # and sends only the batches not yielded (the yielded count, in order).
         if self.plan is None:
             return None
-        return self.plan.sampler_state_before(first_due(workers) - self.plan_skip)
+        return self.plan.sampler_state_before((first_due(workers) if due is None else due) - self.plan_skip)
 
     def advance(self, slot: int, snapshot: Snapshot, *, turn: int, yielded: bool) -> None:
         """Publish the position after ``slot``'s batch (``yielded``) or its "exhausted"
@@ -239,14 +248,15 @@ class EpochProgress:
             self.previous = position
         # While a skip is pending, the batches taken are the skipped ones (_iterator.py).
         skip = position.skip - 1 if yielded and position.skip else position.skip
-        self.position = Position(
-            count, turn, tuple(workers), False, self._sampler_state(workers), skip
-        )
+        due = first_due(workers)
+        self.position = Position(count, turn, tuple(workers), False, self._sampler_state(workers, due), skip)
+        self._due = (self.position, due)
         if yielded and self.plan is not None:
-            self.plan.forget_before(first_due(workers) - self.plan_skip)
+            self.plan.forget_before(due - self.plan_skip)
         received = self.received_digests[slot]
-        for produced in [p for p in received if p <= snapshot.produced]:
-            del received[produced]
+        if received:
+            for produced in [p for p in received if p <= snapshot.produced]:
+                del received[produced]
 
     def end(self) -> None:
         """Publish that the epoch is over."""
