@@ -37,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-import torch
 from torch.utils.data._utils import worker as torch_worker
 
 from ._host import copy_setup
@@ -119,7 +118,10 @@ class InlineRunner(Runner):
 
     def _check_no_other_draws(self, snapshot: NativeRng) -> None:
         now = NativeRng.take()
-        if (now.python, now.numpy) == (snapshot.python, snapshot.numpy) and torch.equal(now.torch, snapshot.torch):
+        # bytes compare: a third of torch.equal's cost on a 5 KB state
+        if (now.python, now.numpy) == (snapshot.python, snapshot.numpy) and (
+            now.torch.numpy().tobytes() == snapshot.torch.numpy().tobytes()
+        ):
             return
         self.warned_threads = True
         warnings.warn(
