@@ -221,7 +221,7 @@ class EpochProgress:
     def attach_plan(self, plan: Any) -> None:
         """The epoch's IndexPlan, once drawn; the position then carries its state."""
         self.plan = plan
-        self.position = replace(self.position, sampler_state=self._sampler_state(self.position.workers))
+        self.position = replace(self.position, sampler_state=self._sampler_state(self.first_due()))
 
     def first_due(self) -> int:
         """``first_due`` of the published position (map-style), computed once per position."""
@@ -230,12 +230,12 @@ class EpochProgress:
             self._due = (position, first_due(position.workers))
         return self._due[1]
 
-    def _sampler_state(self, workers: Sequence[WorkerLedger], due: int | None = None) -> Any:
+    def _sampler_state(self, due: int) -> Any:
         # Before the first batch not yet yielded: a restore draws the plan on from there
         # and sends only the batches not yielded (the yielded count, in order).
         if self.plan is None:
             return None
-        return self.plan.sampler_state_before((first_due(workers) if due is None else due) - self.plan_skip)
+        return self.plan.sampler_state_before(due - self.plan_skip)
 
     def advance(self, slot: int, snapshot: Snapshot, *, turn: int, yielded: bool) -> None:
         """Publish the position after ``slot``'s batch (``yielded``) or its "exhausted"
@@ -249,7 +249,7 @@ class EpochProgress:
         # While a skip is pending, the batches taken are the skipped ones (_iterator.py).
         skip = position.skip - 1 if yielded and position.skip else position.skip
         due = first_due(workers)
-        self.position = Position(count, turn, tuple(workers), False, self._sampler_state(workers, due), skip)
+        self.position = Position(count, turn, tuple(workers), False, self._sampler_state(due), skip)
         self._due = (self.position, due)
         if yielded and self.plan is not None:
             self.plan.forget_before(due - self.plan_skip)
@@ -262,7 +262,7 @@ class EpochProgress:
         """Publish that the epoch is over."""
         # A skip never carries over into the next epoch (docs/api.md).
         self.position = replace(
-            self.position, ended=True, sampler_state=self._sampler_state(self.workers), skip=0
+            self.position, ended=True, sampler_state=self._sampler_state(self.first_due()), skip=0
         )
 
 

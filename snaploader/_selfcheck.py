@@ -88,7 +88,7 @@ def _edge_bytes(value: torch.Tensor) -> bytes:
     if not flat.numel():
         return b""
     edges = flat if flat.numel() <= 2 * _EDGE_ELEMENTS else torch.cat((flat[:_EDGE_ELEMENTS], flat[-_EDGE_ELEMENTS:]))
-    return bytes(edges.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return edges.to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def check_restored_batch(progress: EpochProgress, slot: int, result: Result, worker: str) -> None:
