@@ -20,7 +20,12 @@ a run the killer sends SIGKILL or SIGSEGV every 10-80 ms under fork (every 1-3 s
 spawn, where a respawn takes seconds), without waiting for the loop to receive a batch
 in between, so workers die idle, while starting, while restoring their snapshot and
 while fetching. Those runs keep the default ``max_worker_retries``: only deaths while
-a batch is being fetched count against it, so a storm must not end a run.
+a batch is being fetched count against it. A storm may still kill one batch's fetch
+more than ``max_worker_retries`` times in a row, which to the loader is a poison
+sample: it gives up with ``WorkerCrashedError``. The run then does what its message
+tells a user to do: ``state_dict()``, a new loader, ``load_state_dict()``, go on; the
+epoch's batches before and after must still be the uninterrupted epoch's. The number
+of such give-ups is reported (``give_ups=N``); a storm run with more than 10 fails.
 
 Latency: for every kill, the time from the kill to the next batch the training loop
 receives, against the normal time between batches of the reference runs (reported per
@@ -28,7 +33,7 @@ start method; a spawn respawn imports torch again, a fork respawn does not).
 
 Summary line (the last line of output):
 
-    runs=N storms=N kills=N failures=N leaks=N respawns=N respawn_latency_ms=... normal_batch_ms=...
+    runs=N storms=N kills=N failures=N leaks=N respawns=N give_ups=N respawn_latency_ms=... normal_batch_ms=...
 
 A failure is an epoch that differs from the reference or a run that raised; a leak is
 a child process, fd or /dev/shm entry left at the end. Exit status 1 on either.
@@ -53,14 +58,14 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from snaploader import DataLoader, WorkerRespawnedWarning  # noqa: E402
+from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning  # noqa: E402
 from stress._datasets import KINDS, LeakCheck, fingerprint, make_dataset, quiet_worker  # noqa: E402
 
 # torch's advice when num_workers exceeds the CPU count: 3 workers on 2 cores is the point.
@@ -70,6 +75,7 @@ _BATCH = 4
 _EPOCHS = 3
 _BATCH_TIMEOUT_S = 300  # a hang becomes a failure, not a stuck CI job
 _SIGNALS = (signal.SIGKILL, signal.SIGSEGV)
+_STORM_GIVE_UPS = 10  # a storm run that gives up more often than this fails
 
 
 @dataclass(frozen=True)
@@ -154,27 +160,45 @@ def make_loader(cfg: Config, n: int, delay_s: float, log_path: str, storm: bool 
     )
 
 
-def run_epochs(loader: DataLoader, epochs: int, killer: Killer | None, times: list[float]) -> list[list[str]]:
+def run_epochs(make: Callable[[], DataLoader], epochs: int, killer: Killer | None, times: list[float],
+               give_ups: int = 0) -> tuple[list[list[str]], int]:
+    """The batches' fingerprints of ``epochs`` epochs of ``make()``'s loader, and how
+    many times it gave up. A give-up (``WorkerCrashedError``, at most ``give_ups`` of
+    them) is met as a user would: ``state_dict()``, a new loader, ``load_state_dict()``
+    and on; the epoch's batches before and after it form one epoch."""
     out: list[list[str]] = []
+    gave_up = 0
+    loader = make()
     it = None
     try:
-        for _ in range(epochs):
+        batches: list[str] = []
+        while len(out) < epochs:
             it = iter(loader)
             if killer is not None:
                 killer.iterator = it
-            batches = []
-            for batch in it:
-                times.append(time.monotonic())
-                batches.append(fingerprint(batch))
-                if killer is not None:
-                    killer.batches += 1
+            try:
+                for batch in it:
+                    times.append(time.monotonic())
+                    batches.append(fingerprint(batch))
+                    if killer is not None:
+                        killer.batches += 1
+            except WorkerCrashedError as e:
+                if gave_up >= give_ups or "state_dict() still resumes at this batch" not in str(e):
+                    raise
+                gave_up += 1
+                state = loader.state_dict()
+                it.close()
+                loader = make()
+                loader.load_state_dict(state)
+                continue
             out.append(batches)
+            batches = []
     finally:
         if killer is not None:
             killer.iterator = None
         if it is not None:
             it.close()
-    return out
+    return out, gave_up
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -214,7 +238,7 @@ def main() -> int:
     references: dict[tuple[str, bool, int], list[list[str]]] = {}
     normal_gaps: list[float] = []
     latency: dict[str, list[float]] = {"fork": [], "spawn": []}
-    runs = kills = failures = respawns = storms = 0
+    runs = kills = failures = respawns = storms = give_ups = 0
     started = time.monotonic()
     killer = Killer(rng, args.kills)
     killer.start()
@@ -237,7 +261,9 @@ def main() -> int:
             if key not in references:
                 ref_times: list[float] = []
                 reference_cfg = Config(cfg.kind, cfg.persistent, "fork", cfg.workers)
-                references[key] = run_epochs(make_loader(reference_cfg, args.samples, args.delay_ms / 1000, log_path), _EPOCHS, None, ref_times)
+                references[key], _ = run_epochs(
+                    functools.partial(make_loader, reference_cfg, args.samples, args.delay_ms / 1000, log_path),
+                    _EPOCHS, None, ref_times)
                 normal_gaps += [b - a for a, b in zip(ref_times, ref_times[1:]) if b > a]
             # A spawn respawn takes seconds: kill less often there.
             if storm:
@@ -253,11 +279,13 @@ def main() -> int:
                 storms += 1
                 killer.storm_until = run_started + args.storm_s * (4 if spawn else 1)
             problem = ""
+            run_give_ups = 0
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    loader = make_loader(cfg, args.samples, args.delay_ms / 1000, log_path, storm)
-                    got = run_epochs(loader, _EPOCHS, killer, times)
+                    make = functools.partial(make_loader, cfg, args.samples, args.delay_ms / 1000, log_path, storm)
+                    got, run_give_ups = run_epochs(make, _EPOCHS, killer, times, _STORM_GIVE_UPS if storm else 0)
+                    give_ups += run_give_ups
                     for epoch, (a, b) in enumerate(zip(got, references[key])):
                         if a != b:
                             k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -279,6 +307,7 @@ def main() -> int:
             status = "ok" if not problem else "FAIL " + problem
             killer.storm_until = 0.0
             print(f"run {runs:3}: {cfg}{'  storm' if storm else ''}  kills={len(run_kills):3} respawns={run_respawns:3} "
+                  f"{f'give-ups={run_give_ups} ' if run_give_ups else ''}"
                   f"{time.monotonic() - run_started:5.1f}s  {status}", flush=True)
             if problem:
                 for t_kill, pid, sig in run_kills:
@@ -302,7 +331,7 @@ def main() -> int:
     print(f"respawn latency = time from a kill to the next batch, median/p90 in ms; "
           f"normal batch = median time between batches of the uninterrupted runs")
     print(f"runs={runs} storms={storms} kills={kills} failures={failures} leaks={len(leaks)} respawns={respawns} "
-          f"respawn_latency_ms=fork:{ms(latency['fork'])},spawn:{ms(latency['spawn'])} "
+          f"give_ups={give_ups} respawn_latency_ms=fork:{ms(latency['fork'])},spawn:{ms(latency['spawn'])} "
           f"normal_batch_ms={1000 * statistics.median(normal_gaps) if normal_gaps else float('nan'):.1f}",
           flush=True)
     return 1 if failures or leaks else 0
