@@ -115,8 +115,12 @@ class FetchMarks:
         else:
             self._map = mmap.mmap(-1, size)
         self._view: memoryview | None = memoryview(self._map).cast("q")
-        for slot in range(count):
-            self._view[slot] = self.IDLE
+        if fd is None:
+            # Only the main process's own copy starts all idle. A worker attaching must
+            # not: its siblings may be fetching, and their marks say what a death is
+            # blamed on. Pool.start() marks a slot idle before starting its process.
+            for slot in range(count):
+                self._view[slot] = self.IDLE
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only while a spawn or forkserver worker is being started: DupFd then hands

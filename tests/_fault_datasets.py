@@ -245,6 +245,20 @@ class GatedMap(Dataset[dict[str, Any]]):
         return _sample(i)
 
 
+class GatedPoison(GatedMap):
+    """Like :class:`GatedMap`, but sample ``gate_item`` is a poison sample: it creates
+    the file ``<gate>.fetching``, waits for the gate, then crashes its worker with
+    SIGSEGV, every time it is loaded."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == self.gate_item:
+            with open(f"{self.gate}.fetching", "w"):
+                pass
+            wait_for(self.gate)
+            ctypes.string_at(0)
+        return _sample(i)
+
+
 class GatedIter(IterableDataset[dict[str, Any]]):
     """Like :class:`IterFaults` without faults, with the gate of :class:`GatedMap`."""
 

@@ -379,6 +379,56 @@ def test_deaths_before_a_batch_starts_never_count(tmp_path: Path, context: str, 
 
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_poison_death_is_blamed_on_its_batch_while_a_sibling_restarts(tmp_path: Path, context: str) -> None:
+    """Under spawn and forkserver every worker process maps the shared fetch marks when
+    it starts. Worker 1 is killed and respawned while worker 0 is loading a poison
+    sample: the new process must leave worker 0's mark alone, or worker 0's death is
+    taken for one before any batch, not counted, and the poison sample is loaded once
+    more than max_worker_retries allows."""
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    gate = tmp_path / "gate"
+    poison = 2  # batch_size 1, no shuffle: batch 2, worker 0's second
+    loader = DataLoader(
+        fds.GatedPoison(6, poison, str(gate)), batch_size=1, num_workers=2,
+        multiprocessing_context=context, max_worker_retries=1,
+        worker_init_fn=functools.partial(fds.slow_start, str(starts), 0.0),
+    )
+
+    def starts_of_worker_1() -> list[int]:
+        return [int(name.split("-")[0]) for name in os.listdir(starts) if name.endswith("-1")]
+
+    def restart_worker_1_during_the_poison_fetch() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while (not (tmp_path / "gate.fetching").exists() or not starts_of_worker_1()) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            os.kill(starts_of_worker_1()[0], signal.SIGKILL)
+            while len(starts_of_worker_1()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        finally:
+            gate.touch()
+
+    restarter = threading.Thread(target=restart_worker_1_during_the_poison_fetch)
+    got: list[dict[str, Any]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restarter.start()
+        try:
+            with pytest.raises(WorkerCrashedError) as excinfo:
+                for batch in loader:
+                    got.append(batch)
+        finally:
+            restarter.join()
+    assert len(starts_of_worker_1()) >= 2, "worker 1 was not restarted during the poison fetch"
+    assert [b["index"].tolist() for b in got] == [[0], [1]]
+    assert "worker 0" in str(excinfo.value) and f"while loading batch {poison} of epoch 0" in str(excinfo.value)
+    of_worker_0 = [m for m in respawn_warnings(caught) if m.startswith("worker 0 ")]
+    assert len(of_worker_0) == 1, of_worker_0
+    assert f"while loading batch {poison} of epoch 0" in of_worker_0[0] and "retry 1 of 1" in of_worker_0[0]
+
+
 class _GateOnWarning(list):  # type: ignore[type-arg]
     """A warnings record that opens ``gate`` when a WorkerRespawnedWarning arrives."""
 
