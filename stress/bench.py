@@ -2,7 +2,7 @@
 """Side-by-side benchmark: snaploader vs torch's DataLoader (vs torchdata's
 StatefulDataLoader when it is installed), on the workloads of issue 5.
 
-    python stress/bench.py            # the full run (about 10-15 minutes on 2 cores)
+    python stress/bench.py            # the full run (about 8 minutes on a quiet 2-core machine)
     python stress/bench.py --quick    # the CI smoke test (~2 minutes)
     python stress/bench.py --out DIR  # where results go (default: bench-results/)
 
