@@ -30,6 +30,8 @@ def tiny_config(bench: ModuleType) -> Any:
         snapshot_calls=20,
         state_dict_cases=((1, 100, "plain"), (2, 100_000, "plain"), (2, 200, "rng")),
         state_dict_calls=10,
+        state_dict_rounds=2,
+        state_dict_span_s=0.01,
         restore_items=2_000,
         restore_batch_size=16,
         restore_late_fraction=0.9,
@@ -69,12 +71,14 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
                 assert _positive(summary["peak_fds"])  # Linux: /proc/self/fd
         snapshot = entry["snapshot"]
         assert _positive(snapshot["snapshot_us"]) and _positive(snapshot["capture_rng_us"])
+        assert _positive(snapshot["snapshot_after_batch_us"]) and 0 < snapshot["share_of_batch"] < 1
         assert snapshot["snapshot_pickled_bytes"] > snapshot["rng_bytes"] > 0
 
     stateful = [c for c in measured if c != "torch"]
     assert len(saved["state_dict"]) == len(config.state_dict_cases) * len(stateful)
     for row in saved["state_dict"]:
         assert _positive(row["median_us"]) and row["size_bytes"] > 0
+        assert 0 < row["best_round_us"] <= row["median_us"] <= row["p90_us"]
 
     restore = saved["restore"]["loaders"]
     assert set(restore) == set(measured)
