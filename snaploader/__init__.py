@@ -21,7 +21,7 @@ from ._errors import (
     WorkerCrashedError,
     WorkerRespawnedWarning,
 )
-from ._dcp import DcpState, dcp_state
+from .distributed.dcp import DcpState, dcp_state
 from ._loader import DataLoader
 from . import distributed
 

@@ -1,7 +1,7 @@
 """``python -m snaploader verify|inspect|demo`` (and the ``snaploader`` command).
 
-- ``verify MODULE:FACTORY``: does your pipeline resume exactly? (``_verify.py``)
-- ``inspect CKPT``: what a checkpoint holds about a loader (``_inspect.py``)
+- ``verify MODULE:FACTORY``: does your pipeline resume exactly? (``_tools/verify.py``)
+- ``inspect CKPT``: what a checkpoint holds about a loader (``_tools/inspect.py``)
 - ``demo``: the process-kill demo, as ``python -m snaploader.demo``
 """
 
@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Tools for snaploader, the DataLoader whose checkpoints resume exactly.",
     )
     commands = parser.add_subparsers(dest="command", metavar="{verify,inspect,demo}")
-    from . import _inspect, _verify
+    from ._tools import inspect as _inspect, verify as _verify
 
     _verify.add_arguments(commands.add_parser(
         "verify", help="check that a pipeline resumes exactly, in fresh processes",

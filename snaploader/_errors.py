@@ -50,7 +50,8 @@ class WorkerRespawnedWarning(RuntimeWarning):
 
 # -- helpers for messages --------------------------------------------------------------
 
-_PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
+# Every module of the package, its subpackages included, lies under this prefix.
+_PACKAGE_PREFIX: Final = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def user_stacklevel() -> int:
@@ -58,7 +59,7 @@ def user_stacklevel() -> int:
     snaploader (the user's ``iter()`` or ``next()``), however deep we are."""
     frame = sys._getframe(1)
     level = 1
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_PREFIX):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level

@@ -12,19 +12,19 @@ from typing import Any, Final, TypeVar
 import torch
 import torch.utils.data as torch_data
 
-from ._checkpoint import build_state, read_state
-from ._fingerprint import Fingerprint, fingerprint_of
-from ._layout import LoaderFacts
+from ._format.codec import build_state, read_state
+from ._format.fingerprint import Fingerprint, fingerprint_of
+from ._format.schema import LoaderFacts
 from ._errors import ReplayRefusedError
-from ._iterator import SnapIterator
-from ._settings import LoaderSettings
-from ._ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
-from ._objects import RngCensus, discover
-from ._objkinds import KINDS
-from ._plan import stateful_part
-from ._protocol import has_state_protocol
-from ._rng import RngSource
-from ._skip import skip_count, state_with_skip
+from ._epoch.iterator import SnapIterator
+from ._epoch.settings import LoaderSettings
+from ._state.ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
+from ._rng.objects import RngCensus, discover
+from ._rng.kinds import KINDS
+from ._epoch.plan import stateful_part
+from ._state.records import has_state_protocol
+from ._rng.capture import RngSource
+from ._format.skip import skip_count, state_with_skip
 
 _REPLAY_MODES: Final = ("warn", "allow", "refuse")
 # The type of the batches, as in torch: ``DataLoader[int]`` is valid in annotations.

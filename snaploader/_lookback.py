@@ -14,8 +14,8 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-from ._checkpoint import build_state
-from ._rng import RngSource
+from ._format.codec import build_state
+from ._rng.capture import RngSource
 
 if TYPE_CHECKING:
     from ._loader import DataLoader

@@ -613,9 +613,9 @@ def _snapshot_child(conn: Any, name: str, batch_size: int, compute_rounds: int, 
     try:
         import pickle
 
-        from snaploader._protocol import Task, WorkerSetup
-        from snaploader._rng import capture_rng
-        from snaploader._worker import WorkerRuntime
+        from snaploader._workers.messages import Task, WorkerSetup
+        from snaploader._rng.capture import capture_rng
+        from snaploader._workers.runtime import WorkerRuntime
 
         torch.set_num_threads(1)
         dataset = make_dataset(name, 64 * batch_size, compute_rounds)
@@ -751,7 +751,7 @@ def measure_state_dict(
                 for _ in range(2 * w + 3):
                     next(iterator)
                 time.sleep(0.05)  # let the prefetched batches land
-                loader.state_dict()  # the first call of an epoch finds the RNG codes (_rngcode.py)
+                loader.state_dict()  # the first call of an epoch finds the RNG codes (_rng/twist.py)
                 rounds_ns: list[list[int]] = []
                 for round_ in range(rounds):
                     if round_:

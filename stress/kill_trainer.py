@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from snaploader import DataLoader  # noqa: E402
+from snaploader import DataLoader
 from stress._datasets import KINDS, LeakCheck, alive, fingerprint, make_dataset  # noqa: E402
 
 # torch's advice when num_workers exceeds the CPU count: 3 workers on 2 cores is the point.

@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning  # noqa: E402
+from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning
 from stress._datasets import KINDS, LeakCheck, fingerprint, make_dataset, quiet_worker  # noqa: E402
 
 # torch's advice when num_workers exceeds the CPU count: 3 workers on 2 cores is the point.

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning  # noqa: E402
+from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning
 from stress._datasets import LeakCheck, OomOnce, fingerprint  # noqa: E402
 
 _N = 40

@@ -1,4 +1,4 @@
-"""What capturing generator objects costs (``_objects.py``), in numbers.
+"""What capturing generator objects costs (``_rng/objects.py``), in numbers.
 
     python -m stress.rng_objects_cost
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from snaploader._objects import ObjectRngs
+from snaploader._rng.objects import ObjectRngs
 from tests._object_datasets import ManyGenerators
 
 

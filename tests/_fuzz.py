@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import snaploader
-from snaploader import _layout
+from snaploader._format import schema as _layout
 
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream

@@ -1,4 +1,4 @@
-"""Datasets that hold their own generators (``_objects.py``), shared by the tests and
+"""Datasets that hold their own generators (``_rng/objects.py``), shared by the tests and
 ``stress/rng_objects_cost.py``. Importable by module path, for spawn workers and fresh
 processes."""
 

@@ -22,7 +22,7 @@ from ._support import assert_same_stream, free_port, wait_all
 pytest.importorskip("accelerate", reason="the Accelerate integration tests need accelerate (pip install 'snaploader[integrations]')")
 
 from accelerate import Accelerator  # noqa: E402
-from snaploader.integrations import accelerate as snap_accelerate  # noqa: E402
+from snaploader.integrations import accelerate as snap_accelerate
 
 _ROOT = Path(__file__).resolve().parents[1]
 _CHILD_TIMEOUT_S = 120

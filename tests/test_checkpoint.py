@@ -66,7 +66,7 @@ def test_checkpoint_size_at_eight_workers_with_persistent_workers() -> None:
     state = loader.state_dict()
     per_worker = [len(json.dumps(ledger)) for ledger in state["workers"]]
     del iterator
-    # three twist codes (_rngcode.py), not three 2.5 KB states, and no epoch-start copy
+    # three twist codes (_rng/twist.py), not three 2.5 KB states, and no epoch-start copy
     assert max(per_worker) < 600, per_worker
     assert all(ledger["epoch_start"] is None for ledger in state["workers"])
     assert len(json.dumps(state)) < 64 * 1024 / 8

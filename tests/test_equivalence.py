@@ -23,7 +23,7 @@ from torch.utils.data import (
 )
 
 import snaploader
-from snaploader._iterator import SnapIterator
+from snaploader._epoch.iterator import SnapIterator
 
 from ._datasets import Augmented, Range, WorkerInfoProbe, draws_in_init, sum_collate
 from ._support import assert_same_stream, generator

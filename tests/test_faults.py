@@ -38,7 +38,7 @@ from . import _fault_datasets as fds
 from ._support import assert_same_stream as assert_same_batches
 from ._support import mp_helpers  # noqa: F401  (a fixture)
 from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning
-from snaploader._iterator import SnapIterator
+from snaploader._epoch.iterator import SnapIterator
 
 N = 20  # samples
 BATCH = 3

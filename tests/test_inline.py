@@ -1,4 +1,4 @@
-"""``num_workers=0`` (``_inline.py``): the RNG swap around each fetch is process-wide,
+"""``num_workers=0`` (``_workers/inline_runner.py``): the RNG swap around each fetch is process-wide,
 so another thread drawing from the global RNGs during a fetch changes the stream; the
 loader says so, once, where it can see it, and says nothing when no thread draws."""
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import snaploader
-from snaploader import _inspect
+from snaploader._tools import inspect as _inspect
 
 from ._datasets import DrawingRange
 from ._iterable_datasets import IteratorStateStream, PlainStream

@@ -20,7 +20,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import snaploader  # noqa: E402
-from snaploader.integrations.lightning import ExactResume  # noqa: E402
+from snaploader.integrations.lightning import ExactResume
 
 from ._datasets import Augmented  # noqa: E402
 from ._iterable_datasets import IteratorStateStream  # noqa: E402

@@ -1,4 +1,4 @@
-"""Generator objects held by the dataset, its transforms and closures (``_objects.py``):
+"""Generator objects held by the dataset, its transforms and closures (``_rng/objects.py``):
 exact resume, num_workers=0 as 1, torch's stream, the warnings and the options."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import snaploader
-from snaploader import _objects
+from snaploader._rng import objects as _objects
 
 from ._object_datasets import (
     ClosureTransform,
@@ -224,7 +224,7 @@ def test_a_checkpoint_from_another_graph_names_the_path() -> None:
 
 
 def test_an_out_of_range_state_is_refused_before_anything_runs() -> None:
-    from snaploader import _layout, _plain
+    from snaploader._format import schema as _layout, plain as _plain
 
     state = _cut(_make("own", 1), 0, 3)
     blob = bytearray(_plain.unb64(state["workers"][0]["yielded"]["objects"], "x"))

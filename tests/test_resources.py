@@ -4,7 +4,7 @@ What a user relies on:
 
 - the main process holds a bounded number of fds however far the workers run ahead,
   so a loader that torch runs under a common ``ulimit -n`` runs too
-  (NOTE [ fd budget ] in ``_receiver.py``);
+  (NOTE [ fd budget ] in ``_workers/process_runner.py``);
 - a forked worker holds nothing of the main process's that it does not own: no pipe of
   another worker or another loader (so deleting a loader stops its workers at once), no
   fd of a batch the main process holds (so dropped batches free their shared memory);
@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from snaploader import DataLoader, WorkerRespawnedWarning
-from snaploader._pool import _JOIN_TIMEOUT_S
+from snaploader._workers.pool import _JOIN_TIMEOUT_S
 
 from ._support import load_stress_script
 

@@ -409,7 +409,7 @@ def test_stateful_sampler_cut_between_epochs() -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_random_sampler_generator_after_restore_is_the_uninterrupted_runs(num_workers: int) -> None:
-    # A restore skips a RandomSampler's permutations by slicing them (_plan.py); the
+    # A restore skips a RandomSampler's permutations by slicing them (_epoch/plan.py); the
     # generator they are drawn from must still stand where the uninterrupted run has it
     # after every batch, across the several permutations num_samples > n asks for. The
     # uninterrupted run steps torch's own iterator (a subclass is not sliced).

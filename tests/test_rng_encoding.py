@@ -1,4 +1,4 @@
-"""Twist codes (``_rngcode.py``): a worker's RNG states stored as where they are on
+"""Twist codes (``_rng/twist.py``): a worker's RNG states stored as where they are on
 their seed's path. Round trips are exact for every twist count and position tried,
 with gaussian caches set; states off the path or beyond the bound stay raw and exact;
 a resume through a JSON checkpoint is exact; a crafted code is refused."""
@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import snaploader
-from snaploader import _layout, _rngcode
-from snaploader._rng import capture_rng, check_rng
-from snaploader._worker import seed_like_torch
+from snaploader._format import schema as _layout
+from snaploader._rng import twist as _rngcode
+from snaploader._rng.capture import capture_rng, check_rng
+from snaploader._workers.runtime import seed_like_torch
 
 from ._datasets import Augmented
 from ._support import assert_same_stream, generator, mp_helpers  # noqa: F401
@@ -66,7 +67,7 @@ def _round_trip(seed: bytes) -> bytes:
 
 
 def _parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
-    from snaploader._rng import _seed_parts
+    from snaploader._rng.capture import _seed_parts
 
     return _seed_parts(seed)
 

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 import snaploader
-from snaploader._selfcheck import batch_digest
+from snaploader._workers.selfcheck import batch_digest
 
 from ._datasets import Augmented
 from ._support import generator, mp_helpers, through_bytes  # noqa: F401
@@ -127,7 +127,7 @@ def _torch_edges(value: torch.Tensor, edge: int = 64) -> bytes:
 def test_digest_edges_are_the_same_bytes_whichever_way_they_are_read(make: Any) -> None:
     # A checkpoint's digests must match the ones a restored worker computes, across
     # versions too: the NumPy path reads exactly the bytes torch's ops would give.
-    from snaploader._selfcheck import _edge_bytes
+    from snaploader._workers.selfcheck import _edge_bytes
 
     value = make()
     assert _edge_bytes(value.detach()) == _torch_edges(value)

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 import snaploader
-from snaploader._layout import digest_of, sha256_of
+from snaploader._format.schema import digest_of, sha256_of
 
 from ._datasets import Augmented, StatefulSampler
 from ._iterable_datasets import PlainStream, ShuffleBufferStream

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 import snaploader
 from snaploader import StateNotPlainDataError
-from snaploader import _rng, _rng_raw as snapshot
-from snaploader._plain import check_plain, decode, encode
-from snaploader._rng import capture_rng, restore_rng
-from snaploader._rng_raw import RAW_RNG_ACCESS
+from snaploader._rng import capture as _rng, raw as snapshot
+from snaploader._format.plain import check_plain, decode, encode
+from snaploader._rng.capture import capture_rng, restore_rng
+from snaploader._rng.raw import RAW_RNG_ACCESS
 
 from ._datasets import Range
 

@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import Dataset, RandomSampler
 
 import snaploader
-from snaploader import _layout
+from snaploader._format import schema as _layout
 from snaploader import CheckpointFormatError, CheckpointMismatchError
-from snaploader._pool import Pool, WorkerProcess
+from snaploader._workers.pool import Pool, WorkerProcess
 
 from ._datasets import DrawingRange, Range, Sleepy
 from ._support import assert_same_stream, generator, take, through_bytes

@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import snaploader
-from snaploader._layout import digest_of, sha256_of
-from snaploader._reshard import require_in_order
+from snaploader._format.schema import digest_of, sha256_of
+from snaploader.distributed.rules import require_in_order
 
 from ._datasets import StatefulSampler
 from ._support import assert_same, assert_same_stream, generator

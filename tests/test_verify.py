@@ -15,9 +15,16 @@ import pytest
 import torch
 
 import snaploader
-from snaploader import _verify
+from snaploader._tools import verify as _verify
 from snaploader.__main__ import main
-from snaploader._verify_child import Cut, UsageError, build, leaf_digests, load_factory, split_recorded
+from snaploader._tools.verify_child import (
+    Cut,
+    UsageError,
+    build,
+    leaf_digests,
+    load_factory,
+    split_recorded,
+)
 
 from ._verify_pipelines import DATA_FILE_ENV, Jittered
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snaploader._protocol import Kind, Result, Snapshot, dumps_result, loads_result
+from snaploader._workers.messages import Kind, Result, dumps_result, loads_result
+from snaploader._state.records import Snapshot
 
 CASES = [
     torch.arange(12, dtype=torch.float32).reshape(3, 4),

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler, RandomSampler
 
 import snaploader
-from snaploader import _layout
-from snaploader._reshard import Source, remaining, share
+from snaploader._format import schema as _layout
+from snaploader.distributed.rules import Source, remaining, share
 from snaploader.distributed import concat, reshard
 
 from ._datasets import Augmented

@@ -53,7 +53,7 @@ from accelerate.utils import RNGType, send_to_device, synchronize_rng_state
 from torch.utils.data import IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from .._dcp import state_from_json
+from ..distributed.dcp import state_from_json
 from .._errors import CheckpointFormatError
 from .._loader import DataLoader
 

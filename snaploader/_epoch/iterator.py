@@ -1,0 +1,404 @@
+"""One epoch in the main process: where it starts, what is sent where, what comes next.
+
+```
+  EpochStart ──► start_epoch: RngSource draws (base seed, then the sampler's, replayed
+                 on restore), workers started or positioned (Resume per slot)
+  IndexPlan ──indices──► dispatch ──Task──► slot k mod W (map-style)
+                                  ──Task──► every slot not yet done (iterable)
+  __next__: takes the next result in the fixed order from the Runner, records its
+            snapshot in the ledger (EpochProgress), tops up the dispatch, returns it.
+```
+
+- Order is decided by data, never timing: map-style batch k comes from slot k mod W;
+  iterable batches come round-robin from the slots not yet exhausted, and a slot
+  counts as exhausted only when its own "exhausted" reply, or the short batch its
+  iterator ran dry in, is reached (both are data, not timing). ``in_order=False``
+  lets timing pick the slot, never what a slot yields (``_epoch/dispatch.py``).
+- The iterator holds a :class:`LoaderSettings`, never the loader: a loader with
+  persistent workers holds its iterator, and the reverse link would make a cycle that
+  only the cyclic gc frees, leaving workers running after ``del loader``; and
+  ``for b in DataLoader(...)`` must work with no loader left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import Any, Final
+
+from torch.utils.data._utils import pin_memory as torch_pin_memory
+
+from .._errors import (
+    CheckpointFormatError,
+    ReplayRefusedError,
+    WorkerCrashedError,
+    length_message,
+    short_indices,
+    user_stacklevel,
+)
+from .._workers.inline_runner import InlineRunner
+from .._state.ledger import (
+    EpochProgress,
+    EpochStart,
+    Position,
+    WorkerLedger,
+    first_due,
+    replay_message,
+    replay_without_protocol,
+    resume_after,
+    share_count,
+    skip_map_batches,
+)
+from .dispatch import MapDispatch, by_position, pick, round_robin
+from .plan import IndexPlan, epoch_aware_part
+from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
+from .._workers.process_runner import ProcessRunner
+from .._rng.capture import RngSource
+from .._workers.runner import Runner
+from .._workers.selfcheck import check_restored_batch
+from .settings import LoaderSettings
+
+_SETTLE_TIMEOUT_S: Final = 5.0
+
+
+class SnapIterator:
+    """Iterator over one loader's batches; persistent workers reuse it across epochs."""
+
+    def __init__(self, settings: LoaderSettings, start: EpochStart) -> None:
+        self.settings = settings
+        self.runner: Runner | None = None
+        self._runner_finalizer: weakref.finalize | None = None
+        self.base_seed: int | None = None
+        self.closed = False
+        self.invalidated = False  # by the loader's load_state_dict(): next() raises
+        self.progress: EpochProgress
+        self.mapping: MapDispatch | None = None  # map-style: what is sent where
+        self.as_ready = False  # in_order=False with worker processes (_epoch/dispatch.py)
+        self.start_epoch(start)
+
+    @property
+    def dispatched(self) -> int:
+        """Map-style: the batches of the epoch drawn from the plan so far."""
+        return 0 if self.mapping is None else self.mapping.dispatched
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The pids of this iterator's live worker processes (for monitoring)."""
+        return [] if self.runner is None else self.runner.worker_pids
+
+    # -- epoch start ----------------------------------------------------------------
+
+    def start_epoch(self, start: EpochStart, settings: LoaderSettings | None = None) -> None:
+        """Begin the epoch ``start`` describes; ``settings`` as of this ``iter()``."""
+        if settings is not None:
+            self.settings = settings
+        settings = self.settings
+        self.as_ready = not settings.in_order and settings.num_workers > 0
+        sampler_with_epoch = None if settings.iterable else epoch_aware_part(settings.index_sampler)
+        if start.sampler_epoch is not None and sampler_with_epoch is not None:
+            sampler_with_epoch.set_epoch(start.sampler_epoch)
+        source = RngSource(settings.generator)
+        restoring = start.restore_rng is not None
+        rng_start = start.restore_rng if start.restore_rng is not None else source.get_state()
+        logical = settings.logical_workers if start.logical is None else start.logical
+        workers = list(start.workers or [WorkerLedger() for _ in range(max(1, logical))])
+        yielded, skip, expected = start.yielded, start.skip, start.expected_digests
+        at_start = first_due(workers)  # where a restored stateful sampler stands
+        if skip and not settings.iterable:
+            # Map-style: the plan skips the indices and each worker keeps its snapshot,
+            # so no skipped batch is fetched and none of its RNG draws is made. An
+            # iterable's skipped batches are produced and discarded (_skip_batches).
+            shifted = skip_map_batches(workers, yielded, skip)
+            if expected is not None:
+                expected = [None if a is not b else e for a, b, e in zip(workers, shifted, expected)]
+            workers, yielded, skip = shifted, yielded + skip, 0
+        replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
+        with replaying:
+            base_seed = start.base_seed
+            if start.draw_base_seed or base_seed is None:
+                base_seed = source.draw_base_seed()
+                if restoring and start.base_seed is not None and base_seed != start.base_seed:
+                    raise CheckpointFormatError(
+                        f"restoring epoch {start.epoch}: the generator state in the "
+                        f"checkpoint gives base seed {base_seed}, the checkpoint says "
+                        f"{start.base_seed}; the checkpoint was edited or is corrupt"
+                    )
+            self.progress = EpochProgress(
+                epoch=start.epoch,
+                rng_start=rng_start,
+                base_seed=base_seed,
+                drew_base_seed=start.draw_base_seed,
+                position=Position(yielded=yielded, turn=start.turn, workers=tuple(workers), skip=skip),
+                sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
+                plan_skip=first_due(workers),
+                logical=logical,
+                in_order=start.in_order and not self.as_ready,
+            )
+            self._warn_or_refuse_replay()
+            self._ready_workers(base_seed)
+            # The sampler draws after the workers exist, as in torch: forked workers then
+            # do not each inherit a copy of the epoch's index list.
+            plan, self.mapping = None, None
+            if not settings.iterable:
+                start_at = self.progress.plan_skip
+                plan = IndexPlan(settings.index_sampler, start_at, start.sampler_state, state_at=at_start)
+                counts = [share_count(ledger) for ledger in workers]
+                self.mapping = MapDispatch(plan, start_at, counts, settings.prefetch, not self.as_ready)
+        self.progress.attach_plan(plan)
+        if expected is not None and settings.check_resume:
+            self.progress.expected_digests = list(expected)
+        self._dispatch()
+
+    def _ready_workers(self, base_seed: int) -> None:
+        """Start the workers (or reuse persistent ones) and position each for the epoch."""
+        runner = self.runner
+        # Persistent workers still busy with an abandoned epoch would answer old tasks
+        # first; start them afresh from the ledger instead. Workers started for another
+        # logical worker count (the epoch a checkpoint of another count resumed) too.
+        if runner is None or runner.busy() or (self.base_seed, runner.logical) != (base_seed, self.progress.logical):
+            self._stop_workers()
+            self.base_seed = base_seed
+            runner = self.runner = self._start_runner(base_seed)
+        # Persistent workers too are put at their epoch-start state explicitly, so a
+        # worker respawned last epoch cannot drift from the ledger.
+        runner.begin_epoch(self.progress)
+        first = self.progress.workers[0]
+        if first.epoch_start is None and first.yielded is None and (own := runner.own_epoch_start()):
+            self.progress.set_epoch_start(own)
+        for slot, ledger in enumerate(self.progress.workers):
+            runner.send(slot, resume_after(ledger))
+
+    def _warn_or_refuse_replay(self) -> None:
+        # Once per restore: only a restored epoch start has workers mid-epoch. A refusal
+        # normally comes earlier, from load_state_dict.
+        replays = [replay_without_protocol(ledger) for ledger in self.progress.workers]
+        if not any(replays):
+            return
+        mode = self.settings.replay
+        message = replay_message(
+            self.settings.dataset,
+            replays,
+            refused=mode == "refuse",
+            state_protocol=self.settings.state_protocol,
+        )
+        if mode == "refuse":
+            raise ReplayRefusedError(message)
+        if mode == "warn":
+            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
+
+    def _start_runner(self, base_seed: int) -> Runner:
+        settings = self.settings
+        setup = WorkerSetup(
+            dataset=settings.dataset,
+            iterable=settings.iterable,
+            auto_collation=settings.auto_collation,
+            batch_size=settings.batch_size,
+            drop_last=settings.drop_last,
+            collate_fn=settings.collate_fn,
+            worker_init_fn=settings.worker_init_fn,
+            num_workers=self.progress.logical,
+            base_seed=base_seed,
+            state_every=settings.snapshot_every,
+            digests=settings.check_resume and settings.num_workers > 0,
+            rng_objects=settings.rng_objects,
+            exclude_rngs=settings.exclude_rngs,
+            state_protocol=settings.state_protocol,
+        )
+        if settings.num_workers == 0:
+            inline = InlineRunner(setup)
+            inline.census = settings.rng_census
+            return inline
+        runner = ProcessRunner(
+            setup,
+            settings.context,
+            processes=settings.num_workers,
+            timeout_s=settings.timeout_s,
+            max_retries=settings.max_worker_retries,
+        )
+        runner.census = settings.rng_census
+        # NOTE [ shutdown under gc ]: a persistent iterator and its loader form a cycle.
+        # The cyclic gc may run the pipes' own __del__ (which closes their fds but keeps
+        # the numbers) before ours, and our close() would then close fd numbers that may
+        # be reused already. Weakref callbacks run before any __del__, so the workers
+        # are shut down from one.
+        self._runner_finalizer = weakref.finalize(self, runner.close)
+        return runner
+
+    # -- dispatch ------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        runner = self.runner
+        if runner is None:
+            return
+        settings = self.settings
+        if settings.iterable:
+            for slot, state in enumerate(runner.slots):
+                if self.progress.workers[slot].exhausted or state.failed is not None:
+                    continue
+                while not state.done and len(state.outstanding) < settings.prefetch:
+                    runner.send(slot, Task(state.sent, None))
+                    state.sent += 1
+            return
+        if self.mapping is not None:
+            self.mapping.top_up(runner, self.progress.first_due())
+
+    # -- yielding ------------------------------------------------------------------
+
+    def __iter__(self) -> SnapIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.invalidated:
+            raise RuntimeError(
+                "this iterator was invalidated by load_state_dict(); call iter(loader) to "
+                "resume from the loaded state"
+            )
+        if self.closed or self.progress.ended:
+            raise StopIteration
+        try:
+            if self.progress.position.skip:
+                self._skip_batches()
+            found = self._next_result()
+        except WorkerCrashedError:
+            self.close()
+            raise
+        if found is None:
+            self._end_epoch()
+            raise StopIteration
+        slot, task, result = found
+        progress = self.progress
+        if progress.expected_digests and result.kind is Kind.BATCH:
+            self._self_check(slot, result)
+        turn = (slot + 1) % progress.slots if self.settings.iterable else progress.position.turn
+        progress.advance(slot, result.snapshot, turn=turn, yielded=True)
+        self._dispatch()
+        if self.settings.check_resume and self.runner is not None:
+            # Results a worker finished while the training step ran are taken now, so
+            # that the next checkpoint holds their digests (the resume self-check).
+            self.runner.poll()
+        if result.kind is Kind.ERROR:
+            if not isinstance(result.payload, WorkerError):
+                raise TypeError(f"an error result carried a {type(result.payload).__name__}")
+            raise result.payload.rebuild(self._where(slot, task))
+        if self.settings.iterable:
+            self._check_reported_length()
+        data = result.payload
+        if self.settings.pin_memory:
+            data = torch_pin_memory.pin_memory(data, self.settings.pin_device)
+        return data
+
+    def _next_result(self, ordered: bool = False) -> tuple[int, Task, Result] | None:
+        """The slot, task and result of the next batch (in the fixed order when
+        ``ordered`` or not ``as_ready``), or None at the end of the epoch. An iterable
+        slot's "exhausted" reply is published here."""
+        progress = self.progress
+        runner = self.runner
+        if runner is None:
+            return None
+        as_ready = self.as_ready and not ordered
+        if self.mapping is not None:
+            first = progress.first_due()
+            if self.mapping.finished(first):
+                return None
+            slot = pick(runner, by_position(progress.workers)) if as_ready else first % progress.slots
+            return (slot, *runner.next_result(slot))
+        while live := round_robin(progress.workers, progress.position.turn):
+            # When next_result raises (a poison batch, a timeout), the published turn
+            # still points at this slot (or an exhausted one before it), so
+            # state_dict() resumes at its batch.
+            slot = pick(runner, live) if as_ready else live[0]
+            task, result = runner.next_result(slot)
+            if result.kind is Kind.EXHAUSTED:
+                progress.advance(slot, result.snapshot, turn=(slot + 1) % progress.slots, yielded=False)
+                continue
+            return slot, task, result
+        return None
+
+    def _skip_batches(self) -> None:
+        """Take and discard the batches an iterable's pending skip passes over (each
+        worker reads its own, errors included); the epoch's end stops it (_format/skip.py)."""
+        progress = self.progress
+        asked = progress.position.skip
+        while progress.position.skip:
+            found = self._next_result(ordered=True)  # a skip counts in the fixed order
+            if found is None:
+                warnings.warn(
+                    f"the skip asked for {asked} batch(es) of epoch {progress.epoch}, but "
+                    f"the epoch ended after {asked - progress.position.skip}; the skip does "
+                    "not carry over into the next epoch",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
+                return
+            slot, _, result = found
+            if progress.expected_digests and result.kind is Kind.BATCH:
+                self._self_check(slot, result)
+            progress.advance(slot, result.snapshot, turn=(slot + 1) % progress.slots, yielded=True)
+            self._dispatch()
+
+    def _self_check(self, slot: int, result: Result) -> None:
+        worker = f"worker {slot}" if self.settings.num_workers > 0 else "the main process"
+        check_restored_batch(self.progress, slot, result, worker)
+
+    def _check_reported_length(self) -> None:
+        # torch's warning, in torch's words: len(loader) was asked of an iterable
+        # dataset, and more batches than that came.
+        reported = self.settings.reported_length
+        yielded = self.progress.yielded
+        if reported is None or yielded <= reported:
+            return
+        message = length_message(self.settings.dataset, reported, yielded, self.settings.num_workers)
+        warnings.warn(message, stacklevel=user_stacklevel())
+
+    def _where(self, slot: int, task: Task) -> str:
+        if self.settings.num_workers == 0:
+            place = "in the main process (num_workers=0)"
+        elif self.settings.num_workers != self.progress.slots:
+            place = f"in DataLoader logical worker {slot}"
+        else:
+            place = f"in DataLoader worker process {slot}"
+        epoch = self.progress.epoch
+        if self.settings.iterable:
+            where = f"{place} while loading batch {self.progress.yielded - 1} of epoch {epoch}"
+        else:
+            where = f"{place} while loading batch {task.key} of epoch {epoch} (sample indices {short_indices(task.indices)})"
+        return where
+
+    def _end_epoch(self) -> None:
+        self.progress.end()
+        if not self.settings.persistent_workers:
+            self.close()
+        elif self.runner is not None:
+            try:
+                self.runner.settle(_SETTLE_TIMEOUT_S)
+            except WorkerCrashedError:
+                self.close()
+                raise
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def _stop_workers(self) -> None:
+        if self._runner_finalizer is not None:
+            self._runner_finalizer.detach()
+            self._runner_finalizer = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+    def close(self) -> None:
+        """Stop the workers; the iterator yields nothing more."""
+        self.closed = True
+        self._stop_workers()
+
+    def invalidate(self) -> None:
+        """The loader loaded another state: stop the workers, and make every later
+        ``next()`` raise rather than go on with a stream the loader no longer reports."""
+        self.invalidated = True
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,114 @@
+"""What a checkpoint was taken from (the loader's fingerprint), and the comparison on
+load that shows both sides of a difference and names the ``allow_mismatch`` key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from .._errors import CheckpointMismatchError
+
+FINGERPRINT_KEYS: Final = (
+    "dataset_kind",
+    "dataset_length",
+    "batch_size",
+    "num_workers",
+    "drop_last",
+    "sampler",
+    "batch_sampler",
+    "persistent_workers",
+    "generator",
+)
+
+# Compared when the checkpoint has them: absent in format-3 checkpoints written before
+# they were added. ``distributed``: torch's DistributedSampler's arguments (None for any
+# other sampler), which is what snaploader.distributed needs to re-partition an epoch
+# and what tells the checkpoint of one rank from another's.
+OPTIONAL_KEYS: Final = ("distributed",)
+DISTRIBUTED_FIELDS: Final = {"num_replicas": int, "rank": int, "shuffle": bool, "seed": int, "drop_last": bool}
+
+# Recorded, never a mismatch: the processes do not define the stream, the logical
+# workers do, and a checkpoint resumes exactly with any num_workers (docs/elastic.md).
+_ANY_VALUE: Final = frozenset({"num_workers"})
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a checkpoint was taken from; compared on load."""
+
+    values: dict[str, Any]
+
+    def mismatches(self, saved: dict[str, Any], allowed: frozenset[str]) -> list[str]:
+        lines = []
+        for key in FINGERPRINT_KEYS + OPTIONAL_KEYS:
+            if key in allowed or key in _ANY_VALUE or (key in OPTIONAL_KEYS and key not in saved):
+                continue
+            if saved.get(key) != self.values[key]:
+                lines.append(f"  {key}: {saved.get(key)!r} in checkpoint / {self.values[key]!r} in this loader")
+        return lines
+
+
+
+
+def check_fingerprint(state: dict[str, Any], mine: Fingerprint, allowed: frozenset[str]) -> None:
+    unknown = allowed - set(FINGERPRINT_KEYS + OPTIONAL_KEYS)
+    if unknown:
+        raise ValueError(
+            f"allow_mismatch names {sorted(unknown)}, which are not checked; "
+            f"the checked names are {list(FINGERPRINT_KEYS + OPTIONAL_KEYS)}"
+        )
+    lines = mine.mismatches(state["fingerprint"], allowed)
+    if lines:
+        names = ", ".join(repr(line.split(":")[0].strip()) for line in lines) + ("," if len(lines) == 1 else "")
+        raise CheckpointMismatchError(
+            "the checkpoint was taken from a loader built differently:\n"
+            + "\n".join(lines)
+            + "\nBuild the loader with the checkpoint's arguments to resume exactly, or "
+            f"pass load_state_dict(state, allow_mismatch=({names})) to accept the "
+            "difference knowingly (the resumed stream then differs from the original)"
+        )
+
+
+
+
+def fingerprint_of(
+    *,
+    dataset: Any,
+    iterable: bool,
+    batch_size: int | None,
+    num_workers: int,
+    drop_last: bool,
+    sampler: Any,
+    batch_sampler: Any,
+    persistent_workers: bool,
+    generator: torch.Generator | None,
+) -> Fingerprint:
+    try:
+        length: int | None = len(dataset)
+    except TypeError:
+        length = None  # an iterable dataset without __len__
+    return Fingerprint(
+        {
+            "dataset_kind": "iterable" if iterable else "map",
+            "dataset_length": length,
+            "batch_size": batch_size,
+            "num_workers": num_workers,
+            "drop_last": drop_last,
+            "sampler": type(sampler).__qualname__,
+            "batch_sampler": None if batch_sampler is None else type(batch_sampler).__qualname__,
+            "persistent_workers": persistent_workers,
+            "generator": "none" if generator is None else "given",
+            "distributed": distributed_of(sampler),
+        }
+    )
+
+
+def distributed_of(sampler: Any) -> dict[str, Any] | None:
+    """torch's DistributedSampler's arguments as plain data; None for another sampler
+    (a subclass included: its order may not be DistributedSampler's)."""
+    if type(sampler) is not DistributedSampler:
+        return None
+    return {key: kind(getattr(sampler, key)) for key, kind in DISTRIBUTED_FIELDS.items()}

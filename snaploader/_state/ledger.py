@@ -1,0 +1,340 @@
+"""The main process's record of where every worker stands in the epoch.
+
+The state a worker needs to produce its first not-yet-yielded batch is exactly the
+snapshot that came with its last *yielded* batch (or its epoch-start state if it has
+yielded none this epoch). Keeping that one snapshot per worker, updated as batches are
+yielded, is what makes ``state_dict()`` free: it never talks to a worker, never waits,
+and is O(num_workers) in size whatever the dataset length. Prefetched-but-unconsumed
+batches are simply produced again on restore, from those snapshots, identically.
+
+``state_dict()`` may be called from any thread (async checkpointing does): the ledgers
+are immutable, and each step of the epoch publishes a new :class:`Position` with one
+attribute assignment, so a reader sees the position before a batch or after it, never
+half of each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .records import Resume, Snapshot
+
+
+@dataclass(frozen=True)
+class WorkerLedger:
+    """Where one worker slot stands, as of the batches the loader has yielded.
+
+    ``epoch_start``: the worker's state when the epoch began (None: freshly seeded from
+    the epoch's base seed). ``yielded``: the snapshot after its last yielded batch this
+    epoch (None: none yet). ``yielded_complete``: the newest snapshot at or before
+    ``yielded`` that positions the worker without replay. ``exhausted``: its iterable
+    ran dry this epoch and the round-robin has moved past it. ``skipped``: map-style
+    batches of this worker's share that a skip (``load_state_dict(skip=...)``) passed
+    over since ``yielded``; they are counted as produced, but their fetches and RNG
+    draws were never made, so the worker resumes from ``yielded`` as it stands.
+    """
+
+    epoch_start: Snapshot | None = None
+    yielded: Snapshot | None = None
+    yielded_complete: Snapshot | None = None
+    exhausted: bool = False
+    skipped: int = 0
+    # The checkpoint form of this (immutable) ledger, made once (_format/codec.py).
+    cache: list[Any] = field(default_factory=list, compare=False, repr=False)
+
+    def record(self, snapshot: Snapshot) -> WorkerLedger:
+        """The ledger after the batch (or "exhausted" reply) ``snapshot`` came with."""
+        return WorkerLedger(
+            epoch_start=self.epoch_start,
+            yielded=snapshot,
+            yielded_complete=snapshot if snapshot.complete else self.yielded_complete,
+            exhausted=self.exhausted or snapshot.exhausted,
+        )
+
+    def next_epoch(self) -> WorkerLedger:
+        """The ledger a persistent worker starts its next epoch with."""
+        start = self.yielded if self.yielded is not None else self.epoch_start
+        return WorkerLedger(epoch_start=start)
+
+
+def resume_from(
+    epoch_start: Snapshot | None, at: Snapshot | None, at_complete: Snapshot | None
+) -> Resume:
+    """The message that puts a (new or live) worker where ``at`` was taken.
+
+    ``at_complete`` is the newest complete snapshot at or before ``at``. An iterable
+    without a state protocol, or one snapshotted every N batches, is replayed from it
+    (or from the epoch start) up to ``at``; unless ``at`` follows the worker's last
+    batch of the epoch: then only its RNG states matter, and nothing is replayed.
+    """
+    if at is None:
+        return Resume(epoch_start, 0, 0, None, new_epoch=True)
+    if at.complete:
+        return Resume(at, at.produced, 0, None, new_epoch=False, exhausted=at.exhausted)
+    if at.exhausted:
+        return Resume(epoch_start, at.produced, 0, at.rng, True, True, at.objects)
+    if at_complete is not None:
+        return Resume(
+            at_complete, at_complete.produced, at.produced - at_complete.produced, at.rng, False,
+            final_objects=at.objects,
+        )
+    return Resume(epoch_start, 0, at.produced, at.rng, new_epoch=True, final_objects=at.objects)
+
+
+def resume_after(ledger: WorkerLedger, received: Iterable[Snapshot] = ()) -> Resume:
+    """Where a worker must stand: after its last yielded batch or, with ``received``
+    (the snapshots of batches it sent that are not yet yielded, oldest first), after
+    the last of those (for a respawn, which must not produce them again)."""
+    at, at_complete = ledger.yielded, ledger.yielded_complete
+    for snapshot in received:
+        at = snapshot
+        if snapshot.complete:
+            at_complete = snapshot
+    msg = resume_from(ledger.epoch_start, at, at_complete)
+    if ledger.skipped and at is ledger.yielded:
+        # A received snapshot already counts the skipped batches; the ledger's does not.
+        msg = replace(msg, base_produced=msg.base_produced + ledger.skipped)
+    return msg
+
+
+def skip_map_batches(
+    workers: list[WorkerLedger], yielded: int, skip: int
+) -> list[WorkerLedger]:
+    """The ledgers after skipping map-style batches ``yielded`` to ``yielded + skip``
+    (exclusive) without producing them: batch k belongs to worker k mod W, so each
+    worker's share of the skipped batches is added to its ``skipped`` count and its
+    snapshot stays as it was (see docs/api.md, "Skipping batches")."""
+    slots = len(workers)
+    out = []
+    for w, ledger in enumerate(workers):
+        share = len(range(w, yielded + skip, slots)) - len(range(w, yielded, slots))
+        out.append(replace(ledger, skipped=ledger.skipped + share, cache=[]) if share else ledger)
+    return out
+
+
+def share_count(ledger: WorkerLedger) -> int:
+    """The batches of its share the worker has yielded (or skipped) this epoch."""
+    return (0 if ledger.yielded is None else ledger.yielded.produced) + ledger.skipped
+
+
+def first_due(workers: Sequence[WorkerLedger]) -> int:
+    """Map-style: the first batch of the epoch not yet yielded, batch k being worker
+    k mod W's (k // W)-th. In order it is the yielded count; with ``in_order=False``
+    batches after it may have been yielded too (``_epoch/dispatch.py``)."""
+    slots = len(workers)
+    return min((w + share_count(ledger) * slots for w, ledger in enumerate(workers)), default=0)
+
+
+def replay_without_protocol(ledger: WorkerLedger) -> int:
+    """Batches a restored worker must read again from the epoch start because its
+    iterable has no state protocol (0 when it has one: snapshot_every's replay from a
+    recent snapshot is by choice and bounded)."""
+    at = ledger.yielded
+    if at is None or at.data_owner is not None:
+        return 0
+    return resume_from(ledger.epoch_start, at, ledger.yielded_complete).replay
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where an epoch stands, published whole (see the module docstring)."""
+
+    yielded: int
+    turn: int
+    workers: tuple[WorkerLedger, ...]
+    ended: bool = False
+    sampler_state: Any = None  # the stateful sampler's state before the next batch
+    skip: int = 0  # iterable: batches still to discard before the next one is yielded
+
+
+@dataclass(eq=False)
+class EpochProgress:
+    """Everything ``state_dict()`` needs about the current epoch: what is fixed for the
+    epoch, and the published :class:`Position`."""
+
+    epoch: int
+    rng_start: bytes
+    base_seed: int
+    drew_base_seed: bool
+    position: Position
+    sampler_epoch: int | None = None
+    plan_skip: int = 0  # batches the plan skipped when it was built (a restore)
+    plan: Any = field(default=None, repr=False)  # the IndexPlan, for sampler states
+    # The resume self-check (_workers/selfcheck.py): per slot, the digests of batches received
+    # and not yet yielded, by the slot's batch count; and after a restore, the
+    # (count, digest) each slot's next batch must match.
+    received_digests: list[dict[int, str]] = field(default_factory=list, repr=False)
+    expected_digests: list[tuple[int, str] | None] = field(default_factory=list, repr=False)
+    # The newest position with one batch fewer yielded than ``position``: the state of
+    # "one batch back", for a consumer that reads one batch ahead (Lightning's fetcher;
+    # _lookback.py).
+    previous: Position | None = field(default=None, repr=False)
+    # The logical worker count of the epoch (NOTE [ logical workers ] in _workers/process_main.py): 0
+    # for the main-process contract of num_workers=0; one ledger per slot, max(1, it).
+    logical: int = 1
+    # False when batches may have been yielded out of the fixed order this epoch
+    # (in_order=False, or a restore of such a checkpoint): the per-worker counts are
+    # then all the position there is (_epoch/dispatch.py).
+    in_order: bool = True
+    # first_due() of the position it was computed for (the position is immutable)
+    _due: tuple[Position | None, int] = field(default=(None, 0), repr=False, compare=False)
+
+    @property
+    def slots(self) -> int:
+        return len(self.position.workers)
+
+    def __post_init__(self) -> None:
+        self.received_digests = [{} for _ in self.position.workers]
+
+    def set_epoch_start(self, snapshot: Snapshot) -> None:
+        """Record the epoch-start state of the single slot of the main-process
+        contract (``Runner.own_epoch_start``), before anything is yielded."""
+        (ledger,) = self.position.workers
+        self.position = replace(self.position, workers=(replace(ledger, epoch_start=snapshot, cache=[]),))
+
+    def note_digest(self, slot: int, produced: int, digest: str) -> None:
+        self.received_digests[slot][produced] = digest
+
+    def next_digests(self) -> list[tuple[int, str] | None]:
+        """Per slot, the count and digest of its next batch, if it has arrived."""
+        out: list[tuple[int, str] | None] = []
+        for slot, ledger in enumerate(self.position.workers):
+            produced = share_count(ledger) + 1
+            digest = self.received_digests[slot].get(produced)
+            out.append(None if digest is None else (produced, digest))
+        return out
+
+    @property
+    def workers(self) -> tuple[WorkerLedger, ...]:
+        return self.position.workers
+
+    @property
+    def yielded(self) -> int:
+        return self.position.yielded
+
+    @property
+    def ended(self) -> bool:
+        return self.position.ended
+
+    def attach_plan(self, plan: Any) -> None:
+        """The epoch's IndexPlan, once drawn; the position then carries its state."""
+        self.plan = plan
+        self.position = replace(self.position, sampler_state=self._sampler_state(self.first_due()))
+
+    def first_due(self) -> int:
+        """``first_due`` of the published position (map-style), computed once per position."""
+        position = self.position
+        if self._due[0] is not position:
+            self._due = (position, first_due(position.workers))
+        return self._due[1]
+
+    def _sampler_state(self, due: int) -> Any:
+        # Before the first batch not yet yielded: a restore draws the plan on from there
+        # and sends only the batches not yielded (the yielded count, in order).
+        if self.plan is None:
+            return None
+        return self.plan.sampler_state_before(due - self.plan_skip)
+
+    def advance(self, slot: int, snapshot: Snapshot, *, turn: int, yielded: bool) -> None:
+        """Publish the position after ``slot``'s batch (``yielded``) or its "exhausted"
+        reply, with the round-robin at ``turn``."""
+        position = self.position
+        workers = list(position.workers)
+        workers[slot] = workers[slot].record(snapshot)
+        count = position.yielded + 1 if yielded else position.yielded
+        if yielded:
+            self.previous = position
+        # While a skip is pending, the batches taken are the skipped ones (_epoch/iterator.py).
+        skip = position.skip - 1 if yielded and position.skip else position.skip
+        due = first_due(workers)
+        self.position = Position(count, turn, tuple(workers), False, self._sampler_state(due), skip)
+        self._due = (self.position, due)
+        if yielded and self.plan is not None:
+            self.plan.forget_before(due - self.plan_skip)
+        received = self.received_digests[slot]
+        if received:
+            for produced in [p for p in received if p <= snapshot.produced]:
+                del received[produced]
+
+    def end(self) -> None:
+        """Publish that the epoch is over."""
+        # A skip never carries over into the next epoch (docs/api.md).
+        self.position = replace(
+            self.position, ended=True, sampler_state=self._sampler_state(self.first_due()), skip=0
+        )
+
+
+@dataclass(frozen=True)
+class EpochStart:
+    """How the next epoch begins: fresh, or restored from a checkpoint."""
+
+    epoch: int
+    restore_rng: bytes | None = None  # the epoch-start RNG state to replay (a restore)
+    base_seed: int | None = None  # a restore's, or persistent workers' earlier seed
+    draw_base_seed: bool = True
+    yielded: int = 0
+    turn: int = 0
+    workers: list[WorkerLedger] | None = None
+    sampler_state: Any = None
+    sampler_epoch: int | None = None
+    expected_digests: list[tuple[int, str] | None] | None = None  # the self-check's
+    skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
+    logical: int | None = None  # the epoch's logical worker count (None: the loader's)
+    in_order: bool = True  # False: a restored epoch yielded out of the fixed order
+
+    @staticmethod
+    def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:
+        """The epoch after ``progress``'s, for a loader of ``logical`` logical workers:
+        persistent workers carry their RNG states and base seed over, as torch's
+        persistent workers do, when the count is the same; otherwise the epoch begins
+        as a new loader's would (docs/elastic.md)."""
+        if not persistent or progress.logical != logical:
+            return EpochStart(epoch=progress.epoch + 1)
+        return EpochStart(
+            epoch=progress.epoch + 1,
+            base_seed=progress.base_seed,
+            draw_base_seed=False,
+            workers=[ledger.next_epoch() for ledger in progress.workers],
+            logical=logical,
+        )
+
+
+def replay_message(
+    dataset: Any, replays: list[int], *, refused: bool, state_protocol: bool = True
+) -> str:
+    """Why a resume of ``dataset`` replays ``replays[w]`` batches in worker ``w``, and
+    how to avoid it; for the warning (``refused=False``) or ReplayRefusedError.
+    ``state_protocol``: the loader's option of that name."""
+    name = type(dataset).__qualname__
+    per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
+    if state_protocol:
+        why = (
+            f"because neither {name} nor the iterator iter(dataset) returns has "
+            "state_dict()/load_state_dict()"
+        )
+        fix = (
+            "implement state_dict()/load_state_dict() returning plain data on the "
+            "iterator or the dataset to resume without reading skipped data "
+            "(docs/iterable.md)"
+        )
+    else:
+        why = "because the loader was built with state_protocol=False"
+        fix = (
+            "build the loader with state_protocol=True (the default) if the dataset's "
+            "own state_dict() resumes it exactly"
+        )
+    what = (
+        f"an exact resume of {name} replays {sum(replays)} batch(es) from the epoch "
+        f"start, reading and discarding them ({per_worker}), {why}"
+    )
+    if refused:
+        return (
+            f"{what}, and the loader was built with replay='refuse'. To resume, {fix}, "
+            "or build the loader with replay='warn' or replay='allow'"
+        )
+    return (
+        f"{what}. To avoid it, {fix}; replay='allow' silences this warning, "
+        "replay='refuse' raises ReplayRefusedError instead"
+    )

@@ -1,0 +1,332 @@
+"""``snaploader inspect CKPT``: what a checkpoint file holds about a loader.
+
+The file is read with ``torch.load(weights_only=True)``, so inspecting an untrusted
+checkpoint runs no code. A loader state is found at the top level, under ``--key`` (a
+dotted path; list items by number: ``loaders.0``), or by its format marker
+(``state["format"] == "snaploader"``) anywhere in nested dicts and lists.
+
+:func:`summarize` is the one place that reads the checkpoint's layout (see
+``_format/codec.py``); everything else here prints what it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import sys
+import zipfile
+from collections.abc import Iterator, Sequence
+from typing import Any, Final, TextIO
+
+import torch
+
+_FORMAT: Final = "snaploader"
+_RNG_NAMES: Final = ("python random", "numpy", "torch")
+
+
+class InspectError(Exception):
+    """The file, the key or the state cannot be shown; the message says what to do."""
+
+
+# -- the checkpoint layout ------------------------------------------------------------
+
+
+def _rng_bytes(value: Any) -> bytes:
+    """RNG state bytes as stored: raw bytes, a uint8 tensor (version 1), or base64 text."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
+    if isinstance(value, str):
+        return base64.b64decode(value)
+    return bytes(value)
+
+
+def _moved(snapshot: dict[str, Any] | None) -> list[str] | None:
+    """The global RNGs a worker snapshot has moved from their seed state. The first
+    byte of the RNG bytes flags those still at it (bit 0 Python's random, bit 1 NumPy,
+    bit 2 torch); a capture without a seed reference (flag 0) counts all as moved."""
+    if snapshot is None:
+        return None
+    flags = _rng_bytes(snapshot["rng"])[0]
+    return [name for bit, name in enumerate(_RNG_NAMES) if not flags & (1 << bit)]
+
+
+def _worker_v1(slot: int, ledger: dict[str, Any]) -> dict[str, Any]:
+    yielded = ledger["yielded"]
+    complete = yielded if ledger["yielded_complete"] == "same as yielded" else ledger["yielded_complete"]
+    at = yielded if yielded is not None else ledger["epoch_start"]
+    replay = 0
+    if yielded is not None and not yielded["complete"] and not yielded["exhausted"]:
+        replay = yielded["produced"] - (complete["produced"] if complete is not None else 0)
+    moved = _moved(at)
+    return {
+        "worker": slot,
+        "batches_produced": 0 if yielded is None else yielded["produced"],
+        "exhausted": bool(ledger["exhausted"]),
+        "data_state": None if at is None or at["data"] is None else at["data_owner"],
+        "replay_batches": replay,
+        "rng_moved": [] if moved is None else moved,  # no snapshot yet: at the seed
+    }
+
+
+def _summarize_v1(state: dict[str, Any]) -> dict[str, Any]:
+    fingerprint = dict(state["fingerprint"])
+    epoch, ended, yielded = state["epoch"], state["ended"], state["yielded"]
+    if epoch < 0:
+        next_step = "the next iter() starts epoch 0"
+    elif ended:
+        next_step = f"the next iter() starts epoch {epoch + 1}"
+    else:
+        next_step = f"the next iter() continues epoch {epoch} at batch {yielded + 1}"
+    return {
+        "format": state["format"],
+        "version": state["version"],
+        "fingerprint": fingerprint,
+        "epoch": epoch,
+        "batches_consumed": yielded,
+        "epoch_ended": ended,
+        "next": next_step,
+        "rng_kind": state["rng_kind"],
+        "base_seed": state["base_seed"],
+        "sampler_state": state["sampler_state"] is not None,
+        "workers": [_worker_v1(i, ledger) for i, ledger in enumerate(state["workers"])],
+    }
+
+
+def _summarize_v2(state: dict[str, Any]) -> dict[str, Any]:
+    # Version 2 keeps version 1's fields (RNG bytes as base64), adds an integrity
+    # digest and the resume self-check's digests of prefetched batches.
+    from .._format.schema import validate
+    from .._errors import CheckpointFormatError
+
+    summary = _summarize_v1(state)
+    try:
+        validate(state)
+        summary["integrity"] = "digest matches, fields valid"
+    except CheckpointFormatError as exc:
+        summary["integrity"] = f"INVALID: {exc}"
+    summary["self_check_batches"] = sum(entry is not None for entry in state["next_batches"])
+    return summary
+
+
+def _summarize_v3(state: dict[str, Any]) -> dict[str, Any]:
+    # Version 3 adds the logical worker count (docs/elastic.md) and each ledger's index.
+    summary = _summarize_v2(state)
+    summary["logical_workers"] = state.get("logical_workers")
+    return summary
+
+
+_SUMMARIZERS: Final = {1: _summarize_v1, 2: _summarize_v2, 3: _summarize_v3}
+
+
+def summarize(state: dict[str, Any]) -> dict[str, Any]:
+    """What a person (or a script) wants to know about a loader state: plain data.
+
+    Keys: format, version, fingerprint (the arguments it was taken with), epoch,
+    batches_consumed, epoch_ended, next (what the next ``iter()`` does), rng_kind,
+    base_seed, sampler_state (held or not), workers (per worker: batches_produced,
+    exhausted, data_state (None, "dataset" or "iterator": whose ``state_dict()`` is
+    held), replay_batches (read again on resume), rng_moved (global RNGs no longer in
+    their seed state)). Raises :class:`InspectError` for a version it cannot read or a
+    state missing a key."""
+    version = state.get("version")
+    summarizer = _SUMMARIZERS.get(version) if isinstance(version, int) else None
+    if summarizer is None:
+        raise InspectError(
+            f"this loader state has format version {version!r}; this snaploader reads "
+            f"version {', '.join(map(str, _SUMMARIZERS))}. Inspect it with the snaploader "
+            "release that wrote it"
+        )
+    try:
+        return summarizer(state)
+    except (KeyError, TypeError, IndexError) as exc:
+        raise InspectError(
+            f"this loader state (version {version}) is malformed near {exc!s:.80}; it was "
+            "edited or not written by snaploader's DataLoader.state_dict()"
+        ) from exc
+
+
+# -- finding loader states in a checkpoint ----------------------------------------------
+
+
+def _is_state(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("format") == _FORMAT
+
+
+def find_states(value: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(dotted key path, loader state) for every loader state in ``value``."""
+    if _is_state(value):
+        yield path, value
+        return
+    if isinstance(value, dict):
+        items: Iterator[tuple[Any, Any]] = iter(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return
+    for key, item in items:
+        yield from find_states(item, f"{path}.{key}" if path else str(key))
+
+
+def follow(value: Any, key: str) -> Any:
+    """``value`` at the dotted path ``key`` (numbers index lists)."""
+    here: Any = value
+    walked: list[str] = []
+    for part in key.split("."):
+        if isinstance(here, dict):
+            matches = [k for k in here if str(k) == part]
+            if not matches:
+                shown = ", ".join(repr(str(k)) for k in list(here)[:12])
+                where = ".".join(walked) or "the top level"
+                raise InspectError(f"--key {key}: no {part!r} at {where}; the keys there are {shown}")
+            here = here[matches[0]]
+        elif isinstance(here, (list, tuple)) and part.isdigit() and int(part) < len(here):
+            here = here[int(part)]
+        else:
+            where = ".".join(walked) or "the top level"
+            raise InspectError(
+                f"--key {key}: {where} is a {type(here).__name__}"
+                + (f" of {len(here)} items" if isinstance(here, (list, tuple)) else "")
+                + f", which has no {part!r}"
+            )
+        walked.append(part)
+    return here
+
+
+def size_bytes(state: dict[str, Any]) -> int:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.tell()
+
+
+def load(path: str) -> Any:
+    if os.path.isdir(path):
+        raise InspectError(f"{path} is a folder; give the checkpoint file")
+    if not os.path.exists(path):
+        raise InspectError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as file:
+            legacy = file.read(1) == b"\x80"  # torch.save's old, pickle-first format
+        if not legacy:
+            raise InspectError(f"{path} was not written by torch.save (it is no zip archive); give a checkpoint file")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        refused = [line.strip() for line in lines if "Unsupported global" in line]
+        if refused:
+            raise InspectError(
+                f"{path} holds objects that torch.load(weights_only=True) refuses to build "
+                f"({refused[0]:.200}); inspect runs no code from a checkpoint. Save the "
+                "loader state with the rest as plain data (loader.state_dict() always is)"
+            ) from None
+        raise InspectError(f"{path} could not be read with torch.load(weights_only=True): {lines[0]:.300}") from None
+
+
+def inspect(path: str, key: str | None) -> list[dict[str, Any]]:
+    """One entry per loader state found: {key, size_bytes, **summarize(state)}."""
+    checkpoint = load(path)
+    if key:
+        found = follow(checkpoint, key)
+        if not _is_state(found):
+            raise InspectError(
+                f"--key {key} holds a {type(found).__name__}, not a snaploader loader state "
+                "(a dict whose 'format' is 'snaploader'); omit --key to search the whole file"
+            )
+        states = [(key, found)]
+    else:
+        states = list(find_states(checkpoint))
+    if not states:
+        top = ""
+        if isinstance(checkpoint, dict):
+            top = f" (its top-level keys: {', '.join(repr(str(k)) for k in list(checkpoint)[:12])})"
+        raise InspectError(
+            f"{path} holds no snaploader loader state{top}: no dict whose 'format' is "
+            "'snaploader' anywhere in it. Save loader.state_dict() in the checkpoint"
+        )
+    return [{"key": where, "size_bytes": size_bytes(state), **summarize(state)} for where, state in states]
+
+
+# -- printing -------------------------------------------------------------------------
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def render(entry: dict[str, Any]) -> list[str]:
+    f = entry["fingerprint"]
+    key = entry["key"] or "(top level)"
+    length = "unknown length" if f.get("dataset_length") is None else f"{f['dataset_length']} items"
+    lines = [
+        f"loader state at {key}: format {entry['format']} version {entry['version']}, "
+        f"{entry['size_bytes']:,} bytes when torch.save'd",
+        f"  taken from   {f.get('dataset_kind')}-style dataset ({length}), batch_size {f.get('batch_size')}, "
+        f"num_workers {f.get('num_workers')}, drop_last {f.get('drop_last')},",
+        f"               sampler {f.get('sampler')}, batch_sampler {f.get('batch_sampler')}, "
+        f"persistent_workers {f.get('persistent_workers')}, generator {f.get('generator')}",
+    ]
+    if entry["epoch"] < 0:
+        lines.append("  position     no epoch started yet")
+    else:
+        lines.append(
+            f"  position     epoch {entry['epoch']}, {entry['batches_consumed']} batches consumed, "
+            f"epoch {'ended' if entry['epoch_ended'] else 'not ended'}: {entry['next']}"
+        )
+    if "integrity" in entry:
+        lines.append(
+            f"  integrity    {entry['integrity']}; self-check digests of "
+            f"{entry['self_check_batches']} prefetched batch(es)"
+        )
+    source = "the loader's generator" if entry["rng_kind"] == "generator" else "torch's global RNG"
+    lines.append(
+        f"  sampling     drawn from {source}; worker base seed {entry['base_seed']}; "
+        f"sampler state {'held' if entry['sampler_state'] else 'none (built-in sampler)'}"
+    )
+    if entry["workers"]:
+        rows = [("worker", "batches produced", "exhausted", "dataset state", "replays", "RNGs moved from seed")]
+        for w in entry["workers"]:
+            rows.append((
+                str(w["worker"]), str(w["batches_produced"]), _yes(w["exhausted"]),
+                f"held ({w['data_state']})" if w["data_state"] else "none",
+                str(w["replay_batches"]), ", ".join(w["rng_moved"]) or "none",
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        lines.append("  workers")
+        for row in rows:
+            cells = [f"{cell:<{width}}" for cell, width in zip(row, widths)]
+            lines.append("    " + "  ".join(cells + [row[-1]]))
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="a file written by torch.save")
+    parser.add_argument("--key", default=None,
+                        help="dotted path of the loader state in the checkpoint (e.g. loader, "
+                             "state.loaders.0); by default every loader state in the file is shown")
+    parser.add_argument("--json", action="store_true", help="print JSON, for scripts")
+
+
+def run_parsed(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        entries = inspect(args.checkpoint, args.key)
+    except InspectError as exc:
+        print(f"snaploader inspect: {exc}", file=err)
+        return 2
+    if args.json:
+        print(json.dumps({"file": args.checkpoint, "states": entries}, indent=2), file=out)
+        return 0
+    for i, entry in enumerate(entries):
+        if i:
+            print("", file=out)
+        for line in render(entry):
+            print(line, file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="snaploader inspect", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_parsed(parser.parse_args(argv), out or sys.stdout, err or sys.stderr)

@@ -1,0 +1,336 @@
+"""Changing the world size at resume: the checkpoints of an N-rank run with torch's
+``DistributedSampler``, resumed on M ranks (``docs/elastic.md``, "Changing the world
+size").
+
+Every new rank j of M calls :func:`reshard` with all N old ranks' ``state_dict()``\\ s
+(per-rank files, or the entries of a DCP checkpoint) and a function that builds its
+loader for a given sampler; it gets a :class:`ReshardedLoader`, iterated like a
+loader. Which of two cases applies is decided by N and M alone:
+
+- **hosting** (M divides N): rank j hosts the N/M logical ranks j*N/M ... (j+1)*N/M - 1,
+  one snaploader loader each, loaded with that rank's checkpoint, and yields per step
+  their batches concatenated (:func:`concat`). The new ranks' batches, concatenated in
+  rank order, are the old global batches bit for bit, in this epoch and the next ones
+  (the N-logical-rank stream goes on).
+- **re-partition** (otherwise): the samples the old run would still have yielded in
+  the interrupted epoch are pooled in its order and dealt out (``_reshard.remaining``,
+  ``_reshard.share``); rank j reads its share through a :class:`RemainderSampler`,
+  then from the next epoch a plain ``DistributedSampler`` of M replicas. No sample
+  of the epoch is lost or repeated; the augmentations drawn are not the old run's.
+
+A :class:`ReshardedLoader`'s own ``state_dict()`` is plain data holding its loaders'
+checkpoints, so it can be resharded again (or resumed on the same M).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from .._errors import CheckpointFormatError
+from .._format.schema import sha256_of
+from .._loader import DataLoader
+from .rules import Source, World, gather, hosted, remaining, require_in_order, sampler_for, share
+
+__all__ = ["RemainderSampler", "ReshardedLoader", "concat", "dcp_states", "reshard"]
+
+_FORMAT: Final = "snaploader.distributed"
+_VERSION: Final = 1
+
+LoaderFactory = Callable[[Sampler[int]], DataLoader[Any]]
+
+
+class RemainderSampler(Sampler[int]):
+    """The samples of an interrupted epoch dealt to this rank, in order."""
+
+    def __init__(self, indices: Sequence[int]) -> None:
+        self.indices = list(indices)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def concat(batches: Sequence[Any]) -> Any:
+    """The hosted logical ranks' batches of one step as one batch, as if one rank had
+    read them all: tensors and arrays concatenated along dim 0, dicts and tuples
+    element by element, lists of strings (default_collate's) joined. One batch is
+    returned as it is."""
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(batches))
+    if isinstance(first, np.ndarray):
+        return np.concatenate(list(batches))
+    if isinstance(first, Mapping):
+        return type(first)({key: concat([batch[key] for batch in batches]) for key in first})  # type: ignore[call-arg]
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(concat(list(parts)) for parts in zip(*batches)))
+    if isinstance(first, (list, tuple)):
+        if all(isinstance(item, (str, bytes, int, float)) for item in first):
+            return type(first)(itertools.chain.from_iterable(batches))
+        return type(first)(concat(list(parts)) for parts in zip(*batches))
+    raise TypeError(
+        f"snaploader.distributed.concat cannot join batches of type {type(first).__qualname__}; "
+        "pass reshard(..., combine=list) to get each step's hosted batches as a list, "
+        "or a function of your own"
+    )
+
+
+def _build(make_loader: LoaderFactory, sampler: Sampler[int]) -> DataLoader[Any]:
+    loader = make_loader(sampler)
+    if not isinstance(loader, DataLoader) or loader.sampler is not sampler:
+        raise TypeError(
+            "make_loader(sampler) should return a new snaploader.DataLoader built with "
+            f"sampler=<the sampler it is given>; got {type(loader).__qualname__}"
+            f"{'' if not isinstance(loader, DataLoader) else f' with sampler {type(loader.sampler).__qualname__}'}"
+        )
+    return loader
+
+
+class ReshardedLoader:
+    """New rank ``rank`` of ``world_size``'s loader over an old run's checkpoints,
+    made by :func:`reshard`. Iterate it as a loader and call :meth:`set_epoch` before
+    each epoch as with a DistributedSampler: the first ``iter()`` goes on with the
+    interrupted epoch (``epoch``), each later one is a new epoch.
+
+    ``mode`` is "hosting" or "repartition"; ``logical_ranks`` the old ranks hosted
+    (hosting); ``loaders`` the snaploader loaders now in use.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        rank: int,
+        world_size: int,
+        make_loader: LoaderFactory,
+        combine: Callable[[list[Any]], Any],
+        loaders: list[DataLoader[Any]],
+        epoch: int | None,
+        logical_ranks: tuple[int, ...] = (),
+        rest: tuple[Source, DataLoader[Any]] | None = None,
+    ) -> None:
+        self.mode, self.rank, self.world_size = mode, rank, world_size
+        self.make_loader, self.combine = make_loader, combine
+        self.loaders, self.epoch, self.logical_ranks = loaders, epoch, logical_ranks
+        self._rest = rest  # re-partition: the interrupted epoch's source and loader
+        self._set_epoch: int | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._rest is not None and not self.loaders:
+            self.loaders = [self._rest[1]]
+            return iter(self.loaders[0])
+        if self._rest is not None:
+            self.loaders, self._rest = [self._after()], None
+        iterators: list[Iterator[Any]] = [iter(loader) for loader in self.loaders]
+        if len(iterators) == 1:
+            return iterators[0]
+        return self._zipped(iterators)
+
+    def _zipped(self, iterators: list[Iterator[Any]]) -> Iterator[Any]:
+        for batches in itertools.zip_longest(*iterators):
+            if any(batch is None for batch in batches):
+                raise RuntimeError(
+                    f"the hosted logical ranks {list(self.logical_ranks)} ran out of batches at "
+                    "different steps; their loaders must yield as many batches per epoch"
+                )
+            yield self.combine(list(batches))
+
+    def _after(self) -> DataLoader[Any]:
+        assert self._rest is not None
+        source = self._rest[0]
+        epoch = self._set_epoch
+        if epoch is None and source.sampler_epoch is not None:
+            epoch = source.sampler_epoch + 1
+        return _build(self.make_loader, sampler_for(source, self.world_size, self.rank, epoch))
+
+    def __len__(self) -> int:
+        if self._rest is not None and not self.loaders:
+            return len(self._rest[1])
+        return len(self.loaders[0]) if self.loaders else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the DistributedSampler epoch of the epochs to come (the interrupted
+        epoch's own is its checkpoint's, whatever is set)."""
+        self._set_epoch = epoch
+        for loader in self.loaders:
+            sampler = loader.sampler
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: this rank's loaders' checkpoints (hosting: one per logical rank,
+        in order), or the interrupted epoch's source and the loader reading its share.
+        Pass every new rank's to :func:`reshard` to resume, on any world size."""
+        rest = None
+        if self._rest is not None:
+            state = self._rest[1].state_dict()
+            if not state["ended"] or state["epoch"] < 0:  # not read to its end yet
+                rest = {"source": self._rest[0].to_plain(), "loader": state}
+            else:
+                self.loaders, self._rest = [self._after()], None
+        body = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "loaders": [] if rest is not None else [loader.state_dict() for loader in self.loaders],
+            "rest": rest,
+        }
+        return {**body, "digest": "sha256:" + sha256_of(body)}
+
+    def load_state_dict(self, state: Any, *, allow_mismatch: Iterable[str] = ()) -> None:
+        raise TypeError(
+            "a ReshardedLoader is resumed by snaploader.distributed.reshard(states, make_loader, "
+            "rank=..., world_size=...) with every rank's state (from a DCP checkpoint: "
+            "snaploader.distributed.dcp_states(path)), not by load_state_dict"
+        )
+
+
+def _unwrap(states: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The plain loader checkpoints in ``states`` (a ReshardedLoader's contributes its
+    loaders'), and the ReshardedLoader states taken during a re-partitioned epoch."""
+    flat, during = [], []
+    for place, state in enumerate(states):
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            flat.append(state)
+            continue
+        body = {key: value for key, value in state.items() if key != "digest"}
+        where = f"checkpoint {place} of the list (a ReshardedLoader's)"
+        if state.get("version") != _VERSION:
+            raise CheckpointFormatError(f"{where} has version {state.get('version')!r}; this snaploader reads {_VERSION}")
+        try:
+            intact = state.get("digest") == "sha256:" + sha256_of(body)
+        except (TypeError, ValueError):
+            intact = False
+        if not intact or not isinstance(state.get("loaders"), list):
+            raise CheckpointFormatError(f"{where} was modified or corrupted after state_dict() made it")
+        if state["rest"] is not None:
+            during.append(state)
+        flat.extend(state["loaders"])
+    return flat, during
+
+
+def _resume_during(during: list[dict[str, Any]], total: int, rank: int, world_size: int) -> tuple[Source, dict[str, Any]]:
+    sizes = {state["world_size"] for state in during}
+    ranks = sorted(state["rank"] for state in during)
+    if len(during) != total or sizes != {world_size} or ranks != list(range(world_size)):
+        raise ValueError(
+            f"the checkpoints were taken during an epoch re-partitioned onto {sorted(sizes)} rank(s) "
+            f"(ranks {ranks} of them given, {total} checkpoints in all): such an epoch resumes only "
+            f"on the same world size, from all its ranks' checkpoints; got world_size={world_size}. "
+            "Resume on that world size, and change it again from a checkpoint taken after the epoch"
+        )
+    mine = next(state for state in during if state["rank"] == rank)
+    sources = {sha256_of(state["rest"]["source"]) for state in during}
+    if len(sources) > 1:
+        raise ValueError("the ranks' checkpoints describe different re-partitioned epochs; pass checkpoints of one run, one step")
+    return Source.from_plain(mine["rest"]["source"], "the re-partition source"), mine["rest"]["loader"]
+
+
+def _epoch_of(world: World) -> int | None:
+    first = world.states[0]
+    if first["epoch"] < 0 or first["sampler_epoch"] is None:
+        return None
+    return first["sampler_epoch"] + (1 if all(state["ended"] for state in world.states) else 0)
+
+
+def reshard(
+    states: Sequence[dict[str, Any]],
+    make_loader: LoaderFactory,
+    *,
+    rank: int,
+    world_size: int,
+    combine: Callable[[list[Any]], Any] = concat,
+) -> ReshardedLoader:
+    """New rank ``rank`` of ``world_size``'s loader, resuming the run whose ranks saved
+    ``states`` (each rank's ``state_dict()``, or a :class:`ReshardedLoader`'s; in any
+    order). ``make_loader(sampler)`` builds a new snaploader DataLoader with that
+    sampler and the old run's other arguments (called once per loader needed).
+
+    Raises ``ValueError`` (a subclass for a checkpoint: CheckpointFormatError,
+    CheckpointMismatchError) naming what does not fit: a rank missing or given twice,
+    checkpoints of different epochs or loaders, a sampler that is not torch's
+    DistributedSampler, a hosting world whose ranks stand at different steps."""
+    if type(world_size) is not int or type(rank) is not int or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} and world_size={world_size!r}: expected ints with 0 <= rank < world_size")
+    flat, during = _unwrap(states)
+    if during:
+        source, state = _resume_during(during, len(states), rank, world_size)
+        loader = _build(make_loader, RemainderSampler(share(remaining(source), source.batch_size, rank, world_size)))
+        loader.load_state_dict(state)
+        return ReshardedLoader(
+            mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
+            combine=combine, loaders=[], epoch=source.sampler_epoch, rest=(source, loader),
+        )
+    world = gather(flat)
+    if world.size % world_size == 0:
+        if len(set(world.positions)) > 1:
+            shown = ", ".join(f"rank {r}: {y} batches of epoch {e}{' (ended)' if ended else ''}" for r, (e, ended, y) in enumerate(world.positions))
+            raise ValueError(
+                f"hosting {world.size} ranks on {world_size} needs every old rank at the same step, "
+                f"to keep the global batches; the checkpoints stand at {shown}. Pass the "
+                "checkpoints every rank saved at one step"
+            )
+        loaders = []
+        for logical in hosted(world.size, rank, world_size):
+            loader = _build(make_loader, sampler_for(world.source, world.size, logical, None))
+            loader.load_state_dict(world.states[logical])
+            loaders.append(loader)
+        return ReshardedLoader(
+            mode="hosting", rank=rank, world_size=world_size, make_loader=make_loader, combine=combine,
+            loaders=loaders, epoch=_epoch_of(world), logical_ranks=tuple(hosted(world.size, rank, world_size)),
+        )
+    if world.source.sampler_epoch is None:  # no epoch under way: the M-rank sampler now
+        after = _build(make_loader, sampler_for(world.source, world_size, rank, _epoch_of(world)))
+        return ReshardedLoader(
+            mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
+            combine=combine, loaders=[after], epoch=_epoch_of(world),
+        )
+    require_in_order(world.states)
+    mine = share(remaining(world.source), world.source.batch_size, rank, world_size)
+    return ReshardedLoader(
+        mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
+        combine=combine, loaders=[], epoch=_epoch_of(world),
+        rest=(world.source, _build(make_loader, RemainderSampler(mine))),
+    )
+
+
+_RANK_KEY: Final = re.compile(r"rank(\d+)_of_(\d+)")
+
+
+def dcp_states(checkpoint_id: str, key: str = "loader") -> list[dict[str, Any]]:
+    """Every rank's loader state in a filesystem DCP checkpoint saved with
+    ``{key: snaploader.dcp_state(loader)}``, in rank order: what :func:`reshard` takes.
+    Call it on every new rank (``dcp.load`` is collective within a process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    names = [
+        name[len(key) + 1 :]
+        for name in dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+        if name.startswith(key + ".")
+    ]
+    found = [match for name in names if (match := _RANK_KEY.fullmatch(name))]
+    sizes = {int(match.group(2)) for match in found}
+    ranks = sorted(int(match.group(1)) for match in found)
+    if len(sizes) != 1 or len(found) != len(names) or ranks != list(range(len(ranks))) or len(ranks) not in sizes:
+        raise CheckpointFormatError(
+            f"the DCP checkpoint {checkpoint_id!r} holds under {key!r} the entries {sorted(names)}, "
+            "not one 'rank<r>_of_<N>' per rank of one run; save each rank's loader with "
+            f"{{{key!r}: snaploader.dcp_state(loader)}}"
+        )
+    target: dict[str, Any] = {key: {name: "" for name in names}}
+    dcp.load(target, checkpoint_id=checkpoint_id)
+    (size,) = sizes
+    return [json.loads(target[key][f"rank{rank}_of_{size}"]) for rank in range(size)]

@@ -1,0 +1,264 @@
+"""The bookkeeping of a world-size change, pure: which old ranks' checkpoints make a
+world, which logical ranks a new rank hosts, and which samples each new rank reads
+for the rest of an interrupted epoch. No loader is built here (``distributed.py``).
+
+A *world* is the N checkpoints of one N-rank run, taken at one step, each from a
+loader over torch's ``DistributedSampler(num_replicas=N, rank=r)``; its fingerprint's
+``distributed`` entry (``_fingerprint.distributed_of``) records the sampler's
+arguments, from which rank r's order for any epoch is rebuilt with torch's own
+sampler. The rules, and what each guarantees, are in ``docs/elastic.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from torch.utils.data.distributed import DistributedSampler
+
+from .._errors import CheckpointFormatError, CheckpointMismatchError
+from .._format.fingerprint import FINGERPRINT_KEYS
+from .._format.schema import validate
+
+# The fingerprint entries that differ between the ranks of one world: the rank itself,
+# and the process count, which never defines the stream (logical workers).
+_PER_RANK: Final = frozenset({"num_workers", "distributed"})
+
+
+@dataclass(frozen=True)
+class Source:
+    """What the rest of an interrupted epoch is computed from: the old world's sampler
+    and loader arguments and where each old rank stood. O(N) plain data."""
+
+    num_replicas: int
+    shuffle: bool
+    seed: int
+    sampler_drop_last: bool
+    dataset_length: int
+    batch_size: int
+    drop_last: bool
+    sampler_epoch: int | None  # None: no epoch under way (nothing is left of one)
+    consumed: tuple[int, ...]  # per old rank, batches yielded or skipped this epoch
+
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "num_replicas": self.num_replicas, "shuffle": self.shuffle, "seed": self.seed,
+            "sampler_drop_last": self.sampler_drop_last, "dataset_length": self.dataset_length,
+            "batch_size": self.batch_size, "drop_last": self.drop_last,
+            "sampler_epoch": self.sampler_epoch, "consumed": list(self.consumed),
+        }
+
+    @classmethod
+    def from_plain(cls, plain: Any, where: str) -> Source:
+        try:
+            source = cls(**{**plain, "consumed": tuple(plain["consumed"])})
+        except (TypeError, KeyError) as exc:
+            raise CheckpointFormatError(f"{where} is not a re-partition source ({exc})") from None
+        ints = [source.num_replicas, source.seed, source.dataset_length, source.batch_size, *source.consumed]
+        if not all(type(value) is int for value in ints) or len(source.consumed) != source.num_replicas:
+            raise CheckpointFormatError(f"{where} holds a count that is not an int, or not one per old rank")
+        return source
+
+
+@dataclass(frozen=True)
+class World:
+    """The validated checkpoints of the N ranks of one run, ``states[r]`` rank r's."""
+
+    states: list[dict[str, Any]]
+    source: Source
+    # per rank: (epoch, ended, batches consumed): hosting needs them all equal
+    positions: tuple[tuple[int, bool, int], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.states)
+
+
+class _Sized:
+    # DistributedSampler reads only len() of its dataset.
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def sampler_for(source: Source, num_replicas: int, rank: int, epoch: int | None) -> DistributedSampler[int]:
+    """torch's DistributedSampler with the old world's arguments, for ``rank`` of
+    ``num_replicas``, at ``epoch`` (None: left at 0)."""
+    sampler: DistributedSampler[int] = DistributedSampler(
+        _Sized(source.dataset_length),  # type: ignore[arg-type]
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=source.shuffle,
+        seed=source.seed,
+        drop_last=source.sampler_drop_last,
+    )
+    if epoch is not None:
+        sampler.set_epoch(epoch)
+    return sampler
+
+
+def _refuse(who: str, problem: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(f"{who} {problem}")
+
+
+def _distributed(state: dict[str, Any], who: str) -> dict[str, Any]:
+    fingerprint = state["fingerprint"]
+    if "distributed" not in fingerprint:
+        raise _refuse(
+            who,
+            "was written by a snaploader that did not record the "
+            "DistributedSampler's arguments; resume it on its own world size, or save "
+            "it again with this snaploader",
+        )
+    value = fingerprint["distributed"]
+    # With sampler= and batch_size=, torch's loader batches through its own BatchSampler
+    # (recorded as such); a batch_sampler= of the user's leaves no DistributedSampler.
+    if value is None or fingerprint["batch_size"] is None:
+        raise _refuse(
+            who,
+            f"was taken from a loader with sampler {fingerprint['sampler']!r} and batch_size "
+            f"{fingerprint['batch_size']!r}: only a map-style dataset read through torch's "
+            "DistributedSampler (sampler=, batch_size=, no batch_sampler=) can change world size",
+        )
+    return dict(value)
+
+
+def gather(states: Sequence[dict[str, Any]]) -> World:
+    """The world the checkpoints ``states`` make, in rank order, or a clear error: each
+    validated, all of one run (same fingerprint but the rank), every rank 0..N-1 once,
+    all in the same epoch."""
+    if not states:
+        raise ValueError("no checkpoints given: pass the state_dict() of every rank of the old run")
+    by_rank: dict[int, dict[str, Any]] = {}
+    first: dict[str, Any] | None = None
+    for place, state in enumerate(states):
+        try:
+            validate(state)
+        except CheckpointFormatError as exc:
+            raise CheckpointFormatError(f"checkpoint {place} of the list: {exc}") from None
+        shard = _distributed(state, f"checkpoint {place} of the list")
+        rank = shard.pop("rank")
+        who = f"rank {rank}'s checkpoint"
+        if first is None:
+            first = state
+        diffs = [
+            f"  {key}: {first['fingerprint'].get(key)!r} / {state['fingerprint'].get(key)!r}"
+            for key in FINGERPRINT_KEYS if key not in _PER_RANK and first["fingerprint"][key] != state["fingerprint"][key]
+        ]
+        base = dict(first["fingerprint"]["distributed"])
+        base.pop("rank")
+        if base != shard:
+            diffs.append(f"  distributed (but rank): {base!r} / {shard!r}")
+        if diffs:
+            raise _refuse(who, "comes from a loader built differently from the first one's (first / this):\n" + "\n".join(diffs))
+        if rank in by_rank:
+            raise _refuse(who, "is given twice: pass each old rank's checkpoint once")
+        by_rank[rank] = state
+    assert first is not None
+    size = first["fingerprint"]["distributed"]["num_replicas"]
+    missing = sorted(set(range(size)) - set(by_rank))
+    if missing:
+        raise ValueError(
+            f"the checkpoints are of a {size}-rank run, but ranks {missing} are missing "
+            f"(got {sorted(by_rank)}): pass the state_dict() of all {size} old ranks"
+        )
+    ordered = [by_rank[rank] for rank in range(size)]
+    return World(ordered, _source_of(ordered), tuple(_position(f"rank {r}'s checkpoint", s) for r, s in enumerate(ordered)))
+
+
+def _position(who: str, state: dict[str, Any]) -> tuple[int, bool, int]:
+    skip = state.get("skip", 0)
+    if state["ended"] and skip:
+        raise _refuse(
+            who,
+            f"holds a skip of {skip} batches asked for the next epoch (load_state_dict(skip=...)); "
+            "start that epoch on the old world size first",
+        )
+    return state["epoch"], state["ended"], state["yielded"] + skip
+
+
+def require_in_order(states: Sequence[dict[str, Any]]) -> None:
+    """Refuse to re-partition an epoch some rank yielded out of order: what is left of
+    it is then not "all but the first N batches" of each rank."""
+    for rank, state in enumerate(states):
+        if not state.get("in_order", True) and not state["ended"]:
+            raise _refuse(
+                f"rank {rank}'s checkpoint",
+                "was taken in the middle of an epoch with in_order=False: its yielded "
+                "batches are not the first ones of the epoch, which re-partitioning "
+                "needs. Reshard from checkpoints taken at an epoch's end or with "
+                "in_order=True, or resume on a world size that divides the old one",
+            )
+
+
+def _source_of(states: list[dict[str, Any]]) -> Source:
+    epochs = {(state["epoch"], state["sampler_epoch"]) for state in states}
+    if len(epochs) > 1:
+        shown = ", ".join(f"rank {r}: epoch {s['epoch']} (sampler epoch {s['sampler_epoch']})" for r, s in enumerate(states))
+        raise ValueError(
+            f"the checkpoints are from different epochs ({shown}); pass the checkpoints "
+            "every rank saved at the same step"
+        )
+    state = states[0]
+    fingerprint = state["fingerprint"]
+    shard = fingerprint["distributed"]
+    under_way = state["epoch"] >= 0 and not all(s["ended"] for s in states)
+    return Source(
+        num_replicas=shard["num_replicas"],
+        shuffle=shard["shuffle"],
+        seed=shard["seed"],
+        sampler_drop_last=shard["drop_last"],
+        dataset_length=fingerprint["dataset_length"],
+        batch_size=fingerprint["batch_size"],
+        drop_last=fingerprint["drop_last"],
+        sampler_epoch=state["sampler_epoch"] if under_way else None,
+        # an epoch that ended has yielded all its batches (check_consistent)
+        consumed=tuple(_position(f"rank {r}'s checkpoint", s)[2] for r, s in enumerate(states)),
+    )
+
+
+def _batches(items: list[Any], fingerprint: dict[str, Any]) -> list[list[Any]]:
+    size, drop_last = fingerprint["batch_size"], fingerprint["drop_last"]
+    cut = [items[at : at + size] for at in range(0, len(items), size)]
+    return cut[:-1] if cut and drop_last and len(cut[-1]) < size else cut
+
+
+def hosted(old_size: int, rank: int, world_size: int) -> range:
+    """The logical ranks new rank ``rank`` of ``world_size`` hosts when ``world_size``
+    divides ``old_size``: a contiguous block, so that concatenating the new ranks'
+    batches in rank order concatenates the old ranks' in rank order."""
+    per = old_size // world_size
+    return range(rank * per, (rank + 1) * per)
+
+
+def remaining(source: Source) -> list[int]:
+    """The samples the old world would still have yielded in the interrupted epoch, in
+    its global order (step by step, rank by rank), DistributedSampler's padding repeats
+    left out."""
+    if source.sampler_epoch is None:
+        return []
+    n, size = source.dataset_length, source.num_replicas
+    plain = {"batch_size": source.batch_size, "drop_last": source.drop_last}
+    per_rank = []
+    for rank in range(size):
+        order = list(sampler_for(source, size, rank, source.sampler_epoch))
+        # position i of rank r's order is position r + i*N of the padded index list;
+        # from n on, that list repeats its start
+        positions = _batches(list(range(len(order))), plain)[source.consumed[rank]:]
+        per_rank.append([[order[i] for i in batch if rank + i * size < n] for batch in positions])
+    pool: list[int] = []
+    for step in itertools.zip_longest(*per_rank, fillvalue=[]):
+        for batch in step:
+            pool.extend(batch)
+    return pool
+
+
+def share(pool: list[int], batch_size: int, rank: int, world_size: int) -> list[int]:
+    """New rank ``rank``'s part of ``pool``: cut into batches of ``batch_size`` (only
+    the last may be short), dealt round-robin, batch i to new rank i mod world_size."""
+    batches = [pool[at : at + batch_size] for at in range(0, len(pool), batch_size)]
+    return [index for batch in batches[rank::world_size] for index in batch]
