@@ -280,6 +280,34 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             return EpochStart(epoch=0)
         return EpochStart.after(previous, self.persistent_workers, self.logical_workers)
 
+    def batches_remaining(self) -> int | None:
+        """How many batches the epoch in progress still yields: ``len(loader)`` minus
+        those already yielded (or skipped). After :meth:`load_state_dict`, what the next
+        ``iter()`` yields (a checkpoint taken after an epoch ended: the whole next epoch);
+        before the first epoch or after one ended, ``len(loader)``. None when the
+        epoch's length is not known: an iterable dataset, or a sampler without
+        ``len()``. For a progress bar or an LR schedule after a restore, where
+        ``len(loader)`` is still the whole epoch."""
+        total = self._epoch_length()
+        if total is None:
+            return None
+        if self._pending is not None:
+            done = self._pending.yielded + self._pending.skip
+        elif self._progress is None or self._progress.ended:
+            done = 0
+        else:
+            done = self._progress.yielded
+        return max(0, total - done)
+
+    def _epoch_length(self) -> int | None:
+        """Batches in an epoch, when known: map-style with a sized sampler."""
+        if self._iterable:
+            return None
+        try:
+            return len(self._index_sampler)  # type: ignore[arg-type]
+        except TypeError:
+            return None  # a sampler without __len__
+
     def captured_rngs(self) -> list[tuple[str, str]]:
         """The generator objects whose states checkpoints carry, as (path, kind) pairs,
         such as ``("dataset.transform.transforms[0].random_generator", "numpy PCG64")``.
@@ -313,19 +341,13 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         )
 
     def _facts(self) -> LoaderFacts:
-        batches: int | None = None
-        if not self._iterable:
-            try:
-                batches = len(self._index_sampler)  # type: ignore[arg-type]
-            except TypeError:
-                batches = None  # a sampler without __len__
         return LoaderFacts(
             iterable=self._iterable,
             slots=max(1, self.logical_workers),
             logical=self.logical_workers,
             dataset_has_protocol=self.state_protocol and has_state_protocol(self.dataset),
             state_protocol=self.state_protocol,
-            batches_per_epoch=batches,
+            batches_per_epoch=self._epoch_length(),
         )
 
     def state_dict(self) -> dict[str, Any]:

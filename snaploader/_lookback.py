@@ -40,7 +40,7 @@ def state_dict_as_of(loader: DataLoader, yielded: int) -> dict[str, Any]:
     previous = None if progress is None else progress.previous
     if progress is None or yielded != current - 1 or previous is None or previous.yielded != yielded:
         raise RuntimeError(
-            f"the loader's state is asked for as of batch {yielded} of its epoch, but it has "
+            f"the loader's state is asked for as of {yielded} batches into its epoch, but it has "
             f"yielded {current} batches and keeps the state of only the last one and the one "
             "before; the consumer reads further ahead than one batch, which snaploader cannot "
             "resume exactly (see docs/lightning.md)"

@@ -460,6 +460,11 @@ def test_replay_warns_once_per_restore_and_says_what_and_how_to_avoid() -> None:
         assert "worker 0: 2, worker 1: 1" in message
         assert "state_dict()/load_state_dict()" in message
         assert "replay='allow'" in message
+        # the first line says what happens and what to do, the details come after
+        first = message.splitlines()[0]
+        assert first.startswith("an exact resume of PlainStream replays 3 batch(es) from the epoch start")
+        assert "to avoid it, implement state_dict()/load_state_dict()" in first
+        assert "replay='allow' silences this warning" in first and "worker 0:" not in first
         warned = next(w for w in caught if "replays" in str(w.message))
         assert warned.filename == __file__, "the warning should point at the caller's iter()"
 

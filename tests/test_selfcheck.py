@@ -68,13 +68,18 @@ def test_an_exact_resume_does_not_warn() -> None:
 
 def test_data_changed_since_the_checkpoint_warns_once_naming_the_batch() -> None:
     state = _state_with_prefetched(Shifted(0.0))
-    # the first checked batch: map-style batch k is worker k mod 2's batch k // 2 + 1
+    # the first checked batch: map-style batch k is worker k mod 2's batch k // 2, both
+    # counted from 0 as skip_to counts
     worker = next(w for w, entry in enumerate(state["next_batches"]) if entry is not None)
     caught = _resume(Shifted(0.5), state)
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert f"batch {2 + worker} of epoch 0 (worker {worker}'s batch 2" in message, message
-    assert "data changed on disk" in message
+    first, details = message.split("\n", 1)
+    # the first line says what happened and what to do; the details come after
+    assert first.startswith(f"resume self-check: batch {2 + worker} of epoch 0 differs"), message
+    assert "run `snaploader verify`" in first and len(first) < 300
+    assert f"worker {worker}'s batch 1 of the epoch (from 0)" in details, message
+    assert "data changed on disk" in details
 
 
 def test_the_check_can_be_switched_off() -> None:

@@ -87,7 +87,7 @@ def test_a_lossy_protocol_resume_is_caught_by_the_self_check() -> None:
     assert state["next_batches"][0] is not None
     loader = _loader(1)
     loader.load_state_dict(state)
-    with pytest.warns(snaploader.ResumeMismatchWarning, match="batch 6 of epoch 0 .*shuffle buffer"):
+    with pytest.warns(snaploader.ResumeMismatchWarning, match="(?s)batch 6 of epoch 0 .*shuffle buffer"):
         tail = list(loader)
     assert torch.cat(head + tail).tolist() != torch.cat(full).tolist()  # what it warned of
 

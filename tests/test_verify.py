@@ -59,6 +59,9 @@ def test_demo_pipeline_resumes_exactly_with_a_worker_killed() -> None:
     assert "map-style dataset, 2 workers, 2 epochs of 12 batches" in out
     assert "boundary epoch 0 ended 12 identical" in flat(out)
     assert "SIGKILLed worker pid" in out and "WorkerRespawnedWarning" in out  # it hit a busy worker
+    # Batches are named by their index from 0, as skip_to and the warnings name them:
+    # the kill comes right after the first resumed batch, batch 0 of epoch 1.
+    assert "after batch 0 of epoch 1" in out
     assert "resumes exactly: 12 batches compared" in out
     assert "a second uninterrupted run in a fresh process is identical too" in flat(out)
     assert "verify: reference run" in err and "verify: resume from cut boundary" in err
@@ -69,7 +72,7 @@ def test_iterable_pipeline_resumes_exactly_mid_epoch() -> None:
     code, out, err = verify(f"{PIPELINES}:iterable", "--cuts", "mid")
     assert code == 0, out + err
     assert "iterable-style dataset, 2 workers, 2 epochs of 8 batches" in out
-    assert "mid epoch 0, after batch 4 12 identical" in flat(out)
+    assert "mid epoch 0, after 4 batches 12 identical" in flat(out)
 
 
 def test_torch_loader_is_rebuilt_with_its_arguments_and_records_indices() -> None:
@@ -87,6 +90,23 @@ def test_torch_loader_is_rebuilt_with_its_arguments_and_records_indices() -> Non
         assert indices == [int(v) for v in plain[:, 0]]
 
 
+@pytest.mark.slow
+def test_a_cut_that_compares_nothing_is_not_a_pass() -> None:
+    # With one epoch, the end cut has nothing after it: it is reported as checking
+    # nothing, the summary counts only the mid cut, and the torch-loader note (made by
+    # every run) is printed once.
+    code, out, err = verify(f"{PIPELINES}:augmented_map_torch", "--epochs", "1", "--cuts", "mid,end")
+    assert code == 0, out + err
+    assert "end epoch 0, after 12 batches 0 nothing to compare: the run ends here" in flat(out)
+    assert "resumes exactly: 6 batches compared after 1 cut," in flat(out)
+    assert "not checked: cut end compared nothing" in flat(out)
+    assert out.count("returned a torch DataLoader") == 1
+    code, out, err = verify(f"{PIPELINES}:augmented_map_torch", "--epochs", "1", "--cuts", "end")
+    assert code == 2, out + err
+    assert "resumes exactly" not in out
+    assert "nothing checked: cut end compared nothing" in flat(out)
+
+
 # -- pipelines that do not, each with its diagnosis -----------------------------------
 
 
@@ -94,7 +114,8 @@ def verify_broken(name: str) -> tuple[str, str]:
     """(report with its wrapping undone, progress) of a pipeline that must fail."""
     code, out, err = verify(f"{PIPELINES}:{name}", "--epochs", "1", "--cuts", "mid")
     assert code == 1, out + err
-    assert "mid epoch 0, after batch 2 1 DIFFERS from epoch 0 batch 3" in flat(out)
+    # after 2 batches (0 and 1), the first resumed one, batch 2, differs
+    assert "mid epoch 0, after 2 batches 1 DIFFERS from epoch 0 batch 2" in flat(out)
     return flat(out), err
 
 

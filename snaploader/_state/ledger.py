@@ -325,16 +325,18 @@ def replay_message(
             "build the loader with state_protocol=True (the default) if the dataset's "
             "own state_dict() resumes it exactly"
         )
-    what = (
-        f"an exact resume of {name} replays {sum(replays)} batch(es) from the epoch "
-        f"start, reading and discarding them ({per_worker}), {why}"
-    )
+    total = sum(replays)
     if refused:
         return (
-            f"{what}, and the loader was built with replay='refuse'. To resume, {fix}, "
-            "or build the loader with replay='warn' or replay='allow'"
+            f"an exact resume of {name} would replay {total} batch(es) from the epoch start, "
+            f"and the loader was built with replay='refuse'; to resume, {fix}, or build the "
+            f"loader with replay='warn' or replay='allow'\n"
+            f"Per worker: {per_worker}. It would replay {why}."
         )
     return (
-        f"{what}. To avoid it, {fix}; replay='allow' silences this warning, "
-        "replay='refuse' raises ReplayRefusedError instead"
+        f"an exact resume of {name} replays {total} batch(es) from the epoch start, "
+        f"reading and discarding them; to avoid it, {fix} (replay='allow' silences this "
+        f"warning)\n"
+        f"Per worker: {per_worker}. It replays {why}. replay='refuse' raises "
+        "ReplayRefusedError instead."
     )

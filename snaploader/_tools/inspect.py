@@ -79,7 +79,8 @@ def _summarize_v1(state: dict[str, Any]) -> dict[str, Any]:
     elif ended:
         next_step = f"the next iter() starts epoch {epoch + 1}"
     else:
-        next_step = f"the next iter() continues epoch {epoch} at batch {yielded + 1}"
+        # batch indices count from 0, as load_state_dict(skip_to=) takes them
+        next_step = f"the next iter() continues epoch {epoch} at batch {yielded}"
     return {
         "format": state["format"],
         "version": state["version"],

@@ -243,7 +243,10 @@ def _verify_in(
         cut.got = result["batches"]
         cut.difference = first_difference(expected, cut.got)
         cut.compared = len(expected) if cut.difference is None else cut.difference.index + 1
-        cut.notes = tuple(f"cut {','.join(cut.labels)}: {note}" for note in result["notes"])
+        # A note every run makes (the factory returned a torch DataLoader) is the
+        # reference's, shown once.
+        cut.notes = tuple(f"cut {','.join(cut.labels)}: {note}" for note in result["notes"]
+                          if note not in reference["notes"])
         return cut
 
     def again() -> dict[str, Any]:
@@ -260,7 +263,10 @@ def _verify_in(
     source = "" if stable and not failed else diagnose_source(runner, reference, rerun, results, progress, pool)
     progress.done()
     _report(options, reference, results, source, out)
-    return 0 if not source else 1
+    if source:
+        return 1
+    # A cut that compared nothing is not a pass: with no other, nothing was verified.
+    return 2 if all(cut.empty for cut in results) else 0
 
 
 def _group_cuts(reference: dict[str, Any]) -> list[CutResult]:
@@ -305,10 +311,19 @@ def _report(options: Options, reference: dict[str, Any], cuts: list[CutResult], 
             print(_wrap(note, "  - ", "    "), file=out)
     failed = [c for c in cuts if c.difference is not None or c.error is not None]
     if not source:
-        compared = sum(c.compared for c in cuts)
-        print(f"\nresumes exactly: {compared} batches compared after {len(cuts)} cut"
-              f"{'s' if len(cuts) != 1 else ''}, every one identical to the uninterrupted run; "
-              "a second uninterrupted run in a fresh process is identical too.", file=out)
+        checked = [c for c in cuts if not c.empty]
+        compared = sum(c.compared for c in checked)
+        if checked:
+            print(f"\nresumes exactly: {compared} batches compared after {len(checked)} cut"
+                  f"{'s' if len(checked) != 1 else ''}, every one identical to the uninterrupted run; "
+                  "a second uninterrupted run in a fresh process is identical too.", file=out)
+        empty = [",".join(c.labels) for c in cuts if c.empty]
+        if empty:
+            print("", file=out)
+            print(_wrap(f"{'nothing checked' if not checked else 'not checked'}: cut"
+                        f"{'s' if len(empty) != 1 else ''} {', '.join(empty)} compared nothing, "
+                        "because the run ends there; raise --epochs (or --max-batches) to check "
+                        "a resume from there.", "", ""), file=out)
         return
     print("\ndiagnosis:", file=out)
     for cut in failed:

@@ -362,10 +362,10 @@ def run_resume(job: dict[str, Any], built: Built) -> dict[str, Any]:
             return
         pids = _worker_pids()
         if not pids:
-            notes.append(f"--kill-worker: no worker process was running after batch {k} of epoch {epoch}")
+            notes.append(f"--kill-worker: no worker process was running after batch {k - 1} of epoch {epoch}")
             return
         os.kill(pids[0], signal.SIGKILL)
-        notes.append(f"--kill-worker: SIGKILLed worker pid {pids[0]} after batch {k} of epoch {epoch}")
+        notes.append(f"--kill-worker: SIGKILLed worker pid {pids[0]} after batch {k - 1} of epoch {epoch}")
 
     first = start_epoch if start_k is not None else start_epoch + 1
     for epoch in range(first, epochs):

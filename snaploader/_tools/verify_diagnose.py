@@ -40,7 +40,9 @@ class Difference:
     def where(self) -> str:
         record = self.expected or self.got
         assert record is not None
-        return f"epoch {record['epoch']} batch {record['k']}"
+        # Records count batches from 1 (k: batches read); messages name a batch by its
+        # index from 0, as load_state_dict(skip_to=) and the warnings do.
+        return f"epoch {record['epoch']} batch {record['k'] - 1}"
 
     def describe(self) -> list[str]:
         if self.got is None:
@@ -106,7 +108,14 @@ class CutResult:
     @property
     def where(self) -> str:
         epoch, k = self.position
-        return f"epoch {epoch} ended" if k is None else f"epoch {epoch}, after batch {k}"
+        if k is None:
+            return f"epoch {epoch} ended"
+        return f"epoch {epoch}, after {k} batch{'es' if k != 1 else ''}"
+
+    @property
+    def empty(self) -> bool:
+        """Nothing was compared: the run ends at this cut, so it checks nothing."""
+        return self.error is None and self.difference is None and not self.compared
 
     @property
     def verdict(self) -> str:
@@ -114,6 +123,8 @@ class CutResult:
             return "resumed run failed"
         if self.difference is not None:
             return f"DIFFERS from {self.difference.where}"
+        if self.empty:
+            return "nothing to compare: the run ends here"
         return "identical"
 
 

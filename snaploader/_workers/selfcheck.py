@@ -110,15 +110,18 @@ def check_restored_batch(progress: EpochProgress, slot: int, result: Result, wor
 
 def mismatch_message(batch: int, epoch: int, worker: str, produced: int) -> str:
     """The ResumeMismatchWarning's text: ``worker``'s ``produced``-th batch of the epoch,
-    batch ``batch`` of epoch ``epoch``, differs from its digest in the checkpoint."""
+    batch ``batch`` of epoch ``epoch``, differs from its digest in the checkpoint. The
+    first line says what happened and what to do (``snaploader verify`` shows only it);
+    batches are named by their index from 0, as ``skip_to`` takes them."""
     return (
-        f"resume self-check: batch {batch} of epoch {epoch} ({worker}'s batch {produced} "
-        "of the epoch) differs from the one that was prefetched when the checkpoint was "
-        "taken, so the resumed stream is not the interrupted one. Usual causes: the data "
-        "changed on disk since, a dataset state_dict() that does not hold everything its "
-        "position depends on (a shuffle buffer it does not save: see state_protocol=False "
-        "in docs/iterable.md), or randomness the checkpoint does not capture (a generator "
-        "created inside __getitem__, a global of another module, time- or os-seeded code, "
-        "a C extension's own RNG; see docs/how-resume-works.md). `snaploader verify` "
-        "shows where; check_resume=False turns this check off"
+        f"resume self-check: batch {batch} of epoch {epoch} differs from the one prefetched "
+        "when the checkpoint was taken, so this resumed stream is not the interrupted one; "
+        "run `snaploader verify` on the pipeline to find the cause (docs/verify.md)\n"
+        f"The batch is {worker}'s batch {produced - 1} of the epoch (from 0). Usual causes: "
+        "the data changed on disk since; a dataset state_dict() that does not hold "
+        "everything its position depends on (a shuffle buffer it does not save: see "
+        "state_protocol=False in docs/iterable.md); randomness the checkpoint does not "
+        "capture (a generator created inside __getitem__, a global of another module, "
+        "time- or os-seeded code, a C extension's own RNG: docs/limitations.md). "
+        "check_resume=False turns this check off."
     )

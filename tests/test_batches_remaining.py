@@ -1,0 +1,110 @@
+"""``loader.batches_remaining()``: the batches the epoch in progress still yields, for a
+progress bar or an LR schedule after a restore (``len(loader)`` is the whole epoch).
+Each count is checked against the batches the loader then actually yields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Sampler
+
+import snaploader
+
+from ._datasets import Range
+from ._iterable_datasets import PlainStream
+from ._support import generator, take, through_bytes
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+N_ITEMS, BATCH = 22, 4  # 6 batches an epoch, the last one short (5 with drop_last)
+
+
+def make(num_workers: int, **kwargs: Any) -> snaploader.DataLoader:
+    return snaploader.DataLoader(
+        Range(N_ITEMS), batch_size=BATCH, shuffle=True, num_workers=num_workers,
+        generator=generator(3), **kwargs,
+    )
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_counts_down_through_an_epoch_and_restarts_at_the_next(num_workers: int, drop_last: bool) -> None:
+    loader = make(num_workers, drop_last=drop_last)
+    per_epoch = 5 if drop_last else 6
+    assert len(loader) == per_epoch
+    assert loader.batches_remaining() == per_epoch  # before the first epoch
+    seen = []
+    for _ in loader:
+        seen.append(loader.batches_remaining())
+    assert seen == list(range(per_epoch - 1, -1, -1))
+    assert loader.batches_remaining() == per_epoch  # the epoch ended: the next is whole
+
+
+@pytest.mark.parametrize("restore_workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("cut", [0, 2, 5])
+def test_after_a_restore_it_is_what_the_next_epoch_yields(cut: int, drop_last: bool, restore_workers: int) -> None:
+    original = make(2, drop_last=drop_last)
+    it = iter(original)
+    take(it, min(cut, len(original)))
+    state = through_bytes(original.state_dict())
+    del it
+    resumed = make(restore_workers, drop_last=drop_last)
+    resumed.load_state_dict(state)
+    remaining = resumed.batches_remaining()
+    assert remaining == len(resumed) - min(cut, len(resumed))
+    assert len(list(resumed)) == remaining
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_skip_is_counted(num_workers: int) -> None:
+    original = make(num_workers)
+    it = iter(original)
+    take(it, 1)
+    state = through_bytes(original.state_dict())
+    del it
+    resumed = make(num_workers)
+    resumed.load_state_dict(state, skip=2)
+    assert resumed.batches_remaining() == 3
+    it = iter(resumed)
+    next(it)
+    assert resumed.batches_remaining() == 2
+    assert len(list(it)) == 2
+
+
+def test_a_checkpoint_taken_after_an_epoch_ended_leaves_the_whole_next_epoch() -> None:
+    original = make(2)
+    list(original)
+    state = through_bytes(original.state_dict())
+    resumed = make(2)
+    resumed.load_state_dict(state)
+    assert resumed.batches_remaining() == len(resumed) == len(list(resumed))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_out_of_order_yields_are_counted(num_workers: int) -> None:
+    loader = make(num_workers, in_order=False)
+    it = iter(loader)
+    take(it, 3)
+    assert loader.batches_remaining() == 3
+    assert len(list(it)) == 3
+
+
+class _Unsized(Sampler[int]):
+    def __iter__(self) -> Any:
+        return iter(range(N_ITEMS))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_unknown_for_iterable_datasets_and_unsized_samplers(num_workers: int) -> None:
+    stream = snaploader.DataLoader(PlainStream(12), batch_size=4, num_workers=num_workers)
+    assert stream.batches_remaining() is None
+    it = iter(stream)
+    next(it)
+    assert stream.batches_remaining() is None
+    del it
+    unsized = snaploader.DataLoader(Range(N_ITEMS), batch_size=4, sampler=_Unsized(), num_workers=num_workers)
+    assert unsized.batches_remaining() is None
+    assert len(list(unsized)) == 6
