@@ -317,7 +317,8 @@ class SnapIterator:
 
     def _skip_batches(self) -> None:
         """Take and discard the batches an iterable's pending skip passes over (each
-        worker reads its own, errors included); the epoch's end stops it (_format/skip.py)."""
+        worker reads its own, errors of its fetches included, never one of its start or
+        restore); the epoch's end stops it (_format/skip.py)."""
         progress = self.progress
         asked = progress.position.skip
         while progress.position.skip:
@@ -331,7 +332,11 @@ class SnapIterator:
                     stacklevel=user_stacklevel(),
                 )
                 return
-            slot, _, result = found
+            slot, task, result = found
+            if result.kind is Kind.ERROR and isinstance(result.payload, WorkerError) and result.payload.start_up:
+                # A worker that failed to start or to restore: no batch of the original
+                # run, so not one to skip. Raised as without a skip; nothing is advanced.
+                raise result.payload.rebuild(self._where(slot, task))
             if progress.expected_digests and result.kind is Kind.BATCH:
                 self._self_check(slot, result)
             progress.advance(slot, result.snapshot, turn=(slot + 1) % progress.slots, yielded=True)
