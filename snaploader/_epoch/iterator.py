@@ -55,11 +55,19 @@ from .plan import IndexPlan, epoch_aware_part
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
-from .._workers.runner import Runner
+from .._workers.runner import Runner, RunnerClosed
 from .._workers.selfcheck import check_restored_batch
 from .settings import LoaderSettings
 
 _SETTLE_TIMEOUT_S: Final = 5.0
+_INVALIDATED: Final = (
+    "this iterator was invalidated by load_state_dict(); call iter(loader) to resume "
+    "from the loaded state"
+)
+_CLOSED_WHILE_WAITING: Final = (
+    "this iterator was closed by another thread while next() waited for a batch; call "
+    "iter(loader) for a new one"
+)
 
 
 class SnapIterator:
@@ -250,12 +258,16 @@ class SnapIterator:
 
     def __next__(self) -> Any:
         if self.invalidated:
-            raise RuntimeError(
-                "this iterator was invalidated by load_state_dict(); call iter(loader) to "
-                "resume from the loaded state"
-            )
+            raise RuntimeError(_INVALIDATED)
         if self.closed or self.progress.ended:
             raise StopIteration
+        try:
+            return self._next_batch()
+        except RunnerClosed:
+            # Another thread stopped the workers while this one waited on them.
+            raise RuntimeError(_INVALIDATED if self.invalidated else _CLOSED_WHILE_WAITING) from None
+
+    def _next_batch(self) -> Any:
         try:
             if self.progress.position.skip:
                 self._skip_batches()
