@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch.utils.data import Dataset, TensorDataset
 from snaploader import DataLoader, WorkerRespawnedWarning
 from snaploader._workers.pool import _JOIN_TIMEOUT_S
 
+from ._datasets import Sleepy
 from ._support import load_stress_script
 
 @pytest.fixture(scope="module")
@@ -149,3 +151,37 @@ def test_deleting_a_loader_stops_its_workers_while_another_loaders_run() -> None
         )
     finally:
         it_b.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_load_from_another_thread_while_next_waits_raises_invalidated_in_the_waiting_thread(persistent: bool) -> None:
+    """The waiting thread selects on the pipes that load_state_dict() closes: it must get
+    the documented "invalidated" RuntimeError, as at num_workers=0, not an OSError; and
+    no worker may be respawned behind the loader's back."""
+    loader = DataLoader(Sleepy(16, sleep_from=2, sleep_s=1.5), batch_size=1, num_workers=2,
+                        persistent_workers=persistent)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    next(it)
+    pids = it.worker_pids
+    caught: list[BaseException] = []
+
+    def wait_for_next() -> None:
+        try:
+            next(it)
+        except BaseException as exc:  # noqa: BLE001 (the test reports what came)
+            caught.append(exc)
+
+    waiter = threading.Thread(target=wait_for_next)
+    waiter.start()
+    time.sleep(0.3)  # next() now waits on the workers for item 2
+    loader.load_state_dict(state)
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert len(caught) == 1 and type(caught[0]) is RuntimeError, repr(caught)
+    assert "invalidated by load_state_dict(); call iter(loader)" in str(caught[0])
+    assert it.worker_pids == []
+    live = [p.pid for p in psutil.Process().children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not live, f"workers left running (the old ones were {pids})"
+    assert [int(x) for x in next(iter(loader))] == [1]

@@ -4,9 +4,11 @@ deterministic, and that the next checkpoint records the skip."""
 
 from __future__ import annotations
 
+import random
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -254,3 +256,32 @@ def test_an_edited_skip_is_refused() -> None:
     state["skip"] = 0
     with pytest.raises(snaploader.CheckpointFormatError, match="digest"):
         map_loader(2).load_state_dict(state)
+
+
+class _HeldGeneratorStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Draws from a generator object it holds: ``random.Random`` or NumPy's, by ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.rng: Any = random.Random(3) if kind == "random" else np.random.default_rng(3)
+
+    def __iter__(self) -> Any:
+        for i in range(40):
+            yield torch.tensor([float(i), float(self.rng.random())])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("skip", [0, 2])
+def test_a_workers_restore_error_is_raised_through_a_skip(num_workers: int, skip: int) -> None:
+    # The checkpoint's generator objects differ from the ones the dataset holds now:
+    # each worker's restore fails. A skip must not pass over that error as a batch.
+    def make(kind: str) -> snaploader.DataLoader:
+        return snaploader.DataLoader(_HeldGeneratorStream(kind), batch_size=2, num_workers=num_workers)
+
+    state = checkpoint_at(make("random"), 3)
+    loader = make("numpy")
+    loader.load_state_dict(state, skip=skip)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the replay warning
+        with pytest.raises(snaploader.CheckpointFormatError, match="random.Random"):
+            list(loader)

@@ -55,11 +55,19 @@ from .plan import IndexPlan, epoch_aware_part
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
-from .._workers.runner import Runner
+from .._workers.runner import Runner, RunnerClosed
 from .._workers.selfcheck import check_restored_batch
 from .settings import LoaderSettings
 
 _SETTLE_TIMEOUT_S: Final = 5.0
+_INVALIDATED: Final = (
+    "this iterator was invalidated by load_state_dict(); call iter(loader) to resume "
+    "from the loaded state"
+)
+_CLOSED_WHILE_WAITING: Final = (
+    "this iterator was closed by another thread while next() waited for a batch; call "
+    "iter(loader) for a new one"
+)
 
 
 class SnapIterator:
@@ -250,12 +258,16 @@ class SnapIterator:
 
     def __next__(self) -> Any:
         if self.invalidated:
-            raise RuntimeError(
-                "this iterator was invalidated by load_state_dict(); call iter(loader) to "
-                "resume from the loaded state"
-            )
+            raise RuntimeError(_INVALIDATED)
         if self.closed or self.progress.ended:
             raise StopIteration
+        try:
+            return self._next_batch()
+        except RunnerClosed:
+            # Another thread stopped the workers while this one waited on them.
+            raise RuntimeError(_INVALIDATED if self.invalidated else _CLOSED_WHILE_WAITING) from None
+
+    def _next_batch(self) -> Any:
         try:
             if self.progress.position.skip:
                 self._skip_batches()
@@ -317,7 +329,8 @@ class SnapIterator:
 
     def _skip_batches(self) -> None:
         """Take and discard the batches an iterable's pending skip passes over (each
-        worker reads its own, errors included); the epoch's end stops it (_format/skip.py)."""
+        worker reads its own, errors of its fetches included, never one of its start or
+        restore); the epoch's end stops it (_format/skip.py)."""
         progress = self.progress
         asked = progress.position.skip
         while progress.position.skip:
@@ -331,7 +344,11 @@ class SnapIterator:
                     stacklevel=user_stacklevel(),
                 )
                 return
-            slot, _, result = found
+            slot, task, result = found
+            if result.kind is Kind.ERROR and isinstance(result.payload, WorkerError) and result.payload.start_up:
+                # A worker that failed to start or to restore: no batch of the original
+                # run, so not one to skip. Raised as without a skip; nothing is advanced.
+                raise result.payload.rebuild(self._where(slot, task))
             if progress.expected_digests and result.kind is Kind.BATCH:
                 self._self_check(slot, result)
             progress.advance(slot, result.snapshot, turn=(slot + 1) % progress.slots, yielded=True)

@@ -73,11 +73,17 @@ class Task:
 
 @dataclass(frozen=True)
 class WorkerError:
-    """An exception raised by user code in a worker, ready to be raised again."""
+    """An exception raised by user code in a worker, ready to be raised again.
+
+    ``start_up``: raised while the worker started or was positioned (``worker_init_fn``,
+    a restore from a checkpoint), not by a batch's own fetch. It is sent with the first
+    task's result but belongs to no batch, so a skip never passes over it
+    (``_epoch/iterator.py``)."""
 
     pickled: bytes | None
     type_name: str
     formatted: str
+    start_up: bool = False
 
     @staticmethod
     def capture(exc: BaseException, origin: str = "") -> WorkerError:

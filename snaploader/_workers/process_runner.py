@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import pickle
 import resource
+import threading
 from collections import deque
 import time
 import warnings
@@ -62,7 +63,7 @@ from .messages import (
     loads_result,
 )
 from .._state.records import Resume
-from .runner import Runner
+from .runner import Runner, RunnerClosed
 
 # NOTE [ restart storms ]: deaths that are not a batch's fault (killed idle, or while
 # starting or restoring) never end the run; repeated ones of a slot that has delivered
@@ -113,6 +114,13 @@ class ProcessRunner(Runner):
         # process: (when, what happened for the warning or "" for none, the retry count)
         self.respawn_due: dict[int, tuple[float, str, str]] = {}
         self.fd_budget = _fd_budget()
+        # NOTE [ closed from another thread ]: load_state_dict() may stop the workers
+        # while next() waits on them in another thread. Handling what a wait brought
+        # (which may respawn a process) and close() exclude each other, and the waiter
+        # sees ``closed`` after every wait, so it never respawns behind close() nor
+        # reads pipes close() closed.
+        self.lock = threading.RLock()
+        self.closed = False
         self.held_fds = 0  # fds held by received, not yet yielded results
         payload: WorkerSetup | bytes = setup
         if context.get_start_method() != "fork":
@@ -211,30 +219,45 @@ class ProcessRunner(Runner):
             self._pump(left_s, None)
 
     def close(self) -> None:
-        self.respawn_due.clear()
-        self.pool.shutdown()
+        with self.lock:
+            self.closed = True
+            self.respawn_due.clear()
+            self.pool.shutdown()
 
     # -- receiving -----------------------------------------------------------------
 
     def _pump(self, wait_s: float | None, waiting: int | None) -> None:
         """Wait up to ``wait_s`` for results or deaths, and handle what came. Results
-        of slots other than ``waiting`` are read only within the fd budget."""
-        self._respawn_when_due()
-        if self.respawn_due:
-            until_s = max(0.0, min(due for due, _, _ in self.respawn_due.values()) - time.monotonic())
-            wait_s = until_s if wait_s is None else min(wait_s, until_s)
-        over = self.held_fds >= self.fd_budget
-        mine = None if waiting is None else waiting % self.processes
-        skip = {process for process in range(self.processes) if over and process != mine}
-        readable, exited = self.pool.wait(wait_s, skip)
-        for worker in readable:
-            if self.pool.holds(worker):
-                lost = self._drain(worker, 0, waiting)
-                if lost:
-                    self._on_death(worker, lost)
-        for worker in exited:
-            self._on_death(worker)
-        self._respawn_when_due()
+        of slots other than ``waiting`` are read only within the fd budget
+        (NOTE [ closed from another thread ])."""
+        with self.lock:
+            self._check_open()
+            self._respawn_when_due()
+            if self.respawn_due:
+                until_s = max(0.0, min(due for due, _, _ in self.respawn_due.values()) - time.monotonic())
+                wait_s = until_s if wait_s is None else min(wait_s, until_s)
+            over = self.held_fds >= self.fd_budget
+            mine = None if waiting is None else waiting % self.processes
+            skip = {process for process in range(self.processes) if over and process != mine}
+        try:
+            readable, exited = self.pool.wait(wait_s, skip)
+        except (OSError, ValueError):  # a pipe or process close() closed under the wait
+            self._check_open()
+            raise
+        with self.lock:
+            self._check_open()
+            for worker in readable:
+                if self.pool.holds(worker):
+                    lost = self._drain(worker, 0, waiting)
+                    if lost:
+                        self._on_death(worker, lost)
+            for worker in exited:
+                self._on_death(worker)
+            self._respawn_when_due()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RunnerClosed("the worker processes were stopped while waiting for them")
 
     def _drain(self, worker: WorkerProcess, lost: int, waiting: int | None, whole: bool = False) -> int:
         """Accept, in order, the complete results waiting in ``worker``'s pipe (all of

@@ -25,6 +25,12 @@ from .messages import Kind, Result, Task
 from .._state.records import Resume, Snapshot
 
 
+class RunnerClosed(Exception):
+    """The runner was closed by another thread while this one waited on it (a
+    ``load_state_dict()`` that invalidates the iterator): the iterator turns it into
+    the error its ``next()`` documents."""
+
+
 @dataclass
 class Slot:
     """Per worker slot, this epoch: tasks sent and not answered, answers not yet yielded."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pickle
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -198,7 +199,7 @@ class WorkerRuntime:
         kind = Kind.BATCH
         payload: Any
         if self.pending_error is not None:
-            kind, payload, self.pending_error = Kind.ERROR, self.pending_error, None
+            kind, payload, self.pending_error = Kind.ERROR, replace(self.pending_error, start_up=True), None
         else:
             try:
                 if self.setup.iterable:
