@@ -1,13 +1,16 @@
-"""Twist codes (``_rng/twist.py``): a worker's RNG states stored as where they are on
-their seed's path. Round trips are exact for every twist count and position tried,
-with gaussian caches set; states off the path or beyond the bound stay raw and exact;
-a resume through a JSON checkpoint is exact; a crafted code is refused."""
+"""A worker's RNG states in a checkpoint: written raw, as the worker captured them
+(NOTE [ raw RNG states ] in ``_format/codec.py``), and read either raw or as the twist
+codes of older checkpoints (``_rng/twist.py``: where a state is on its seed's path).
+Codes expand exactly for every twist count and position tried, with gaussian caches
+set; a resume through a JSON checkpoint is exact, from raw states and from the same
+checkpoint written with codes; a crafted code is refused."""
 
 from __future__ import annotations
 
 import base64
 import json
 import random
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,24 +49,10 @@ def _saved_rngs() -> Iterator[None]:
         torch.set_rng_state(saved[2])
 
 
-@pytest.fixture(autouse=True)
-def _new_paths() -> None:
-    _rngcode._paths.clear()  # only states after the last one found are looked for
-
-
 @pytest.fixture
 def seed() -> Iterator[bytes]:
     with _saved_rngs():
         yield _seeded()
-
-
-def _round_trip(seed: bytes) -> bytes:
-    """The current states' code, after checking it expands to the raw capture."""
-    raw = capture_rng(seed)
-    coded = _rngcode.compact(raw, BASE, WORKER)
-    check_rng(coded, seeded=True)
-    assert _rngcode.expand(coded, _parts(seed)) == raw
-    return coded
 
 
 def _parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
@@ -72,8 +61,47 @@ def _parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
     return _seed_parts(seed)
 
 
-def test_the_seed_state_is_computed_as_a_worker_captures_it(seed: bytes) -> None:
-    assert b"".join(_rngcode.seed_state(BASE, WORKER)) == seed[1:]
+_MAX_SEARCH = 4096  # twists; the draws of these tests stay well within
+
+
+def _twists_to(seed_part: bytes, part: int, words: bytes) -> int | None:
+    """How many twists from ``seed_part``'s words ``words`` are, if within _MAX_SEARCH."""
+    generator = _rngcode._twister(_rngcode._words(seed_part, part))
+    for twists in range(1, _MAX_SEARCH + 1):
+        generator.random_raw(624, output=False)
+        if generator.state["state"]["key"].astype("<u4").tobytes() == words:
+            return twists
+    return None
+
+
+def _coded(blob: bytes, seed: bytes) -> bytes:
+    """``blob`` as a checkpoint written before states were stored raw holds it: each
+    moved state found on its seed's path as a twist code (the layout in _rng/twist.py)."""
+    seed_parts = _parts(seed)
+    parts = _rngcode._parts(blob, seed_parts)
+    flags, kept = blob[0], []
+    for part in range(3):
+        if flags & (1 << part):
+            continue
+        raw = parts[part]
+        at = _rngcode._WORDS_AT[part]
+        words = raw[at : at + _rngcode._WORDS_BYTES]
+        twists = _twists_to(seed_parts[part], part, words) if _rngcode._codable(part) else None
+        if twists is None:
+            kept.append(raw)
+            continue
+        flags |= 1 << (_rngcode._CODED_SHIFT + part)
+        kept.append(_rngcode._HEAD.pack(twists, zlib.crc32(words)) + raw[:at] + raw[at + _rngcode._WORDS_BYTES :])
+    return bytes((flags,)) + b"".join(kept)
+
+
+def _round_trip(seed: bytes) -> bytes:
+    """The current states' code, after checking it expands to the raw capture."""
+    raw = capture_rng(seed)
+    coded = _coded(raw, seed)
+    check_rng(coded, seeded=True)
+    assert _rngcode.expand(coded, _parts(seed)) == raw
+    return coded
 
 
 def test_every_position_of_the_first_blocks_round_trips(seed: bytes) -> None:
@@ -99,7 +127,6 @@ def test_many_twists_and_gaussian_caches_round_trip(py: int, npy: int, tch: int,
 
 
 def _many_twists(py: int, npy: int, tch: int, gauss: bool) -> None:
-    _rngcode._paths.clear()  # each example starts a new path: only later states are looked for
     seed = _seeded()
     for _ in range(py // 1000):
         random.getrandbits(32)
@@ -114,29 +141,12 @@ def _many_twists(py: int, npy: int, tch: int, gauss: bool) -> None:
     assert (flags | flags >> 3) & 0b111 == 0b111, f"a moved state stayed raw: flags {flags:#b}"
 
 
-def test_a_state_off_the_seeds_path_stays_raw_and_exact(seed: bytes) -> None:
-    np.random.seed(5)  # a worker_init_fn that reseeds NumPy
-    np.random.random_sample(10)
-    random.random()
-    coded = _round_trip(seed)
-    assert coded[0] == 0b1000 | 0b100, "Python coded, NumPy raw, torch at its seed"
-
-
-def test_a_state_beyond_the_bound_stays_raw_and_exact(seed: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_rngcode, "MAX_TWISTS", 8)
-    monkeypatch.setattr(_rngcode, "_paths", type(_rngcode._paths)())
-    torch.rand(624 * 4)  # 4 twists: coded
-    assert _round_trip(seed)[0] & 0b100000
-    torch.rand(624 * 10)  # 14: raw
-    assert not _round_trip(seed)[0] & 0b100000
-    torch.rand(1)
-    assert not _round_trip(seed)[0] & 0b100000
-
-
 def test_a_code_for_another_seed_state_is_an_error(seed: bytes) -> None:
     random.random()
-    coded = _rngcode.compact(capture_rng(seed), BASE, WORKER)
-    other = _rngcode.seed_state(BASE, WORKER + 1)
+    coded = _coded(capture_rng(seed), seed)
+    assert coded[0] & 0b1000
+    seed_like_torch(BASE, WORKER + 1)
+    other = _parts(capture_rng())
     with pytest.raises(ValueError, match="seed state other than this worker's"):
         _rngcode.expand(coded, other)
 
@@ -147,38 +157,60 @@ def _loader(workers: int) -> snaploader.DataLoader:
     )
 
 
-def _coded_flags(state: dict[str, Any]) -> list[int]:
+def _rng_flags(state: dict[str, Any]) -> list[int]:
     return [base64.b64decode(w["yielded"]["rng"])[0] for w in state["workers"] if w["yielded"]]
 
 
+def _resigned(state: dict[str, Any]) -> dict[str, Any]:
+    state["digest"] = _layout.digest_of(state, [_layout.sha256_of(w) for w in state["workers"]])
+    return state
+
+
+def _as_older_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its workers' RNG states written as twist codes, as checkpoints were
+    before states were stored raw, and re-signed."""
+    state = json.loads(json.dumps(state))
+    for w, ledger in enumerate(state["workers"]):
+        with _saved_rngs():
+            seed_like_torch(state["base_seed"], w)
+            seed = capture_rng()
+        for snapshot in (ledger[key] for key in ("epoch_start", "yielded", "yielded_complete")):
+            if isinstance(snapshot, dict):
+                snapshot["rng"] = base64.b64encode(_coded(base64.b64decode(snapshot["rng"]), seed)).decode()
+    return _resigned(state)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-def test_resume_through_json_is_exact(workers: int, mp_helpers: None) -> None:  # noqa: F811
+def test_resume_through_json_is_exact_from_raw_states_and_from_codes(workers: int, mp_helpers: None) -> None:  # noqa: F811
     expected = list(_loader(workers))
     loader = _loader(workers)
     iterator = iter(loader)
     head = [next(iterator) for _ in range(5)]
     state = json.loads(json.dumps(loader.state_dict()))
     del iterator
-    assert _coded_flags(state) and all(flags == 0b111000 for flags in _coded_flags(state))
-    resumed = _loader(workers)
-    resumed.load_state_dict(state)
-    assert_same_stream(head + list(resumed), expected)
+    # every worker moved all three generators, and they are stored as captured
+    assert _rng_flags(state) and all(flags == 0 for flags in _rng_flags(state))
+    older = _as_older_checkpoint(state)
+    assert all(flags == 0b111000 for flags in _rng_flags(older))
+    for checkpoint in (state, older):
+        resumed = _loader(workers)
+        resumed.load_state_dict(checkpoint)
+        assert_same_stream(head + list(resumed), expected)
 
 
 def _with_python_twists(twists: Callable[[int], int]) -> dict[str, Any]:
-    """A re-signed checkpoint whose worker 0 has its Python state's k (``twists`` of
-    the true one) edited."""
+    """A re-signed older checkpoint (twist codes) whose worker 0 has its Python state's
+    k (``twists`` of the true one) edited."""
     loader = _loader(2)
     iterator = iter(loader)
     next(iterator)
-    state = loader.state_dict()
+    state = _as_older_checkpoint(loader.state_dict())
     del iterator
     blob = bytearray(base64.b64decode(state["workers"][0]["yielded"]["rng"]))
     assert blob[0] & 0b1000
     blob[1:5] = twists(int.from_bytes(blob[1:5], "little")).to_bytes(4, "little")
     state["workers"][0]["yielded"]["rng"] = base64.b64encode(bytes(blob)).decode()
-    state["digest"] = _layout.digest_of(state, [_layout.sha256_of(w) for w in state["workers"]])
-    return state
+    return _resigned(state)
 
 
 def test_a_twist_count_beyond_the_bound_is_refused(mp_helpers: None) -> None:  # noqa: F811

@@ -42,7 +42,8 @@ Layout (version 3; version 2 is read too, see ``_layout.READABLE_VERSIONS``)::
                    (worker: its logical index, equal to its place in the list)
                    (skipped: map-style batches of the worker's share a skip passed
                    over since its last snapshot; absent in older files: 0), each snapshot
-                   {rng (base64; moved states as twist codes, _rng/twist.py), produced, data,
+                   {rng (base64 of the raw states, _rng/capture.py; older files may hold
+                   twist codes, _rng/twist.py), produced, data,
                    data_owner, complete, exhausted,
                    objects (base64 of the generator objects' states, _rng/kinds.py, or
                    None)};
@@ -54,7 +55,6 @@ User data (``data``, ``sampler_state.state``) is stored through ``_plain.encode`
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -74,22 +74,28 @@ from .schema import (
 from .._state.ledger import EpochProgress, EpochStart, Position, WorkerLedger
 from .._state.records import Snapshot
 from .._rng.capture import RngSource, rng_bytes
-from .._rng.twist import SEARCH_BUDGET_S, compact
 
 # -- building a checkpoint ---------------------------------------------------------------
 
+# NOTE [ raw RNG states ]
+# state_dict() copies what the ledger holds; it searches, decodes and encodes nothing
+# whose cost grows with how much a worker drew. A worker's RNG states go in as the
+# worker captured them (_rng/capture.py: 2.5 KB for each moved generator, a flags bit
+# for one still at its seed state), base64'd once per ledger: about 10 KB a worker in
+# the checkpoint whatever the dataset draws. Storing where a state is on its seed's
+# path instead (_rng/twist.py, about 30 bytes) needs a search that walks every twist
+# drawn (~1.4 us per 624 words), on this thread or, within a per-batch budget, in the
+# worker, where a pipeline drawing 10,000 32-bit words a batch already outruns the
+# 20 us a snapshot may cost (docs/performance.md). So checkpoints hold the raw states,
+# and the twist codes of older checkpoints are still read.
 
-def _snapshot_to_plain(
-    snapshot: Snapshot, where: str, seeded: tuple[int, int] | None, deadline: float = float("inf")
-) -> dict[str, Any]:
-    """``seeded``: (base seed, worker index) the snapshot's worker was seeded with, or
-    None when unknown (its RNG states are then stored raw); ``deadline``: when to stop
-    searching for their twist codes (_rng/twist.py)."""
+
+def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
     if snapshot.data is not None:
         _plain.check_plain(snapshot.data, f"{where}['data']")
-    rng = rng_bytes(snapshot.rng)
     return {
-        "rng": _plain.b64(rng if seeded is None else compact(rng, *seeded, deadline)),
+        # The states as the worker captured them (NOTE [ raw RNG states ]).
+        "rng": _plain.b64(rng_bytes(snapshot.rng)),
         "produced": snapshot.produced,
         "data": _plain.encode(snapshot.data),
         "data_owner": snapshot.data_owner,
@@ -99,9 +105,7 @@ def _snapshot_to_plain(
     }
 
 
-def _ledger_to_plain(
-    ledger: WorkerLedger, worker: int, seeded: tuple[int, int] | None, deadline: float = float("inf")
-) -> tuple[dict[str, Any], str]:
+def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any], str]:
     """A ledger as plain data and its digest, computed once per (immutable) ledger."""
     if ledger.cache and ledger.cache[0][0]["worker"] == worker:
         return ledger.cache[0]
@@ -109,7 +113,7 @@ def _ledger_to_plain(
     where = f"worker {worker}'s state"
 
     def plain(snapshot: Snapshot | None, key: str) -> dict[str, Any] | None:
-        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]", seeded, deadline)
+        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]")
 
     at = ledger.yielded
     # Resuming from a complete snapshot needs nothing else: keep the epoch start only
@@ -117,8 +121,6 @@ def _ledger_to_plain(
     # persistent workers, whose epoch start is a full snapshot).
     needs_start = at is None or not at.complete
     same = ledger.yielded_complete is at and at is not None
-    # Oldest first: finding an RNG state on its seed's path resumes where the last
-    # search stopped (_rng/twist.py), so a newer state first would leave the older raw.
     start = plain(ledger.epoch_start, "epoch_start") if needs_start else None
     complete = SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete")
     out = {
@@ -130,8 +132,7 @@ def _ledger_to_plain(
         "skipped": ledger.skipped,
     }
     entry = (out, sha256_of(out))
-    if time.monotonic() <= deadline:  # else a state may be raw for want of time: search again next call
-        ledger.cache.append(entry)
+    ledger.cache.append(entry)
     return entry
 
 
@@ -184,11 +185,7 @@ def build_state(
             logical_workers=progress.logical,
             in_order=progress.in_order,
         )
-        deadline = time.monotonic() + SEARCH_BUDGET_S
-        ledgers = [
-            _ledger_to_plain(ledger, w, (progress.base_seed, w), deadline)
-            for w, ledger in enumerate(position.workers)
-        ]
+        ledgers = [_ledger_to_plain(ledger, w) for w, ledger in enumerate(position.workers)]
         next_batches = [
             None if entry is None else {"produced": entry[0], "digest": entry[1]}
             for entry in progress.next_digests()

@@ -1,5 +1,5 @@
-"""A worker's RNG states in a checkpoint: where each Mersenne Twister state is on its
-seed's path, not what it is (NOTE [ twist codes ]).
+"""Twist codes: an older way of storing a worker's RNG states in a checkpoint, read
+but no longer written (NOTE [ twist codes ]).
 
 A worker's three global generators start from a state fixed by the epoch's base seed
 and the worker's index (``seed_like_torch``). From there a generator only moves along
@@ -9,11 +9,6 @@ its twist count k, its position in the block and the few fields beside the words
 (Python's ``gauss_next``, NumPy's cached gaussian, torch's normal cache and counters):
 about 20 bytes instead of 2.5 KB of incompressible words.
 
-- :func:`compact` (main process, at ``state_dict()`` time, never per batch) rewrites a
-  ``capture_rng`` blob: each moved state found within :data:`MAX_TWISTS` twists of the
-  seed becomes a code; one not found (a dataset drawing ~10**8 numbers, a
-  ``worker_init_fn`` that reseeds) stays raw bytes. Searches resume where the last one
-  for the same worker stopped, so repeated checkpoints only walk the new twists.
 - :func:`expand` (in the worker, which holds its seed state) turns the codes back into
   the raw bytes, twisting k times: at most :data:`MAX_TWISTS`, about 0.1 s.
 - :func:`check_code` is what validation of an untrusted checkpoint trusts: k bounded,
@@ -28,44 +23,26 @@ bytes before, 40 normal-cache bytes after).
 
 from __future__ import annotations
 
-import functools
-import random
 import struct
-import threading
-import time
 import zlib
-from collections import OrderedDict
 from typing import Final
 
 import numpy as np
-import torch
-from torch.utils.data._utils import worker as torch_worker
 
-from .raw import (
-    _PY_BLOB,
-    _TORCH_PACKED,
-    _TORCH_WORDS_AT,
-    legacy_numpy_access,
-    pack_torch_state,
-    python_rng_access,
-)
+from .raw import _PY_BLOB, _TORCH_PACKED, _TORCH_WORDS_AT
 
 # NOTE [ twist codes ]
-# Replaying k twists costs ~1.4 µs each (NumPy's MT19937 bit generator, the same twist
-# as CPython's, NumPy's legacy and torch's), so k is bounded both to keep a search at
-# state_dict() time and a decode at load time short, and so that a crafted checkpoint
-# cannot make loading spin: 2**16 twists, about 0.1 s, cover 40.9 million 32-bit draws
-# (20 million doubles) from one generator since the worker was seeded. A search that
-# gives up marks the worker's path as walked to the bound, so it is paid once. And one
-# state_dict() searches for at most SEARCH_BUDGET_S in all: a state not found by then is
-# stored raw this time (a size cost, never an exactness one; that ledger's plain form is
-# then not cached), and the next call walks on from where this one stopped. So a heavy pipeline's first checkpoints of an epoch
-# are never slow; its states are stored raw until the bound is walked.
+# Finding k means walking the seed's path until the state turns up: time that grows
+# with how much the worker drew (23 ms per state_dict() at 8 workers whose items draw
+# a 3x224x224 noise image from each RNG), and the main process was where it ran. So
+# checkpoints now store the raw states (NOTE [ raw RNG states ] in _format/codec.py),
+# and codes are only read, from checkpoints written before. Replaying k twists costs
+# ~1.4 us each (NumPy's MT19937 bit generator, the same twist as CPython's, NumPy's
+# legacy and torch's); k is bounded so that a crafted checkpoint cannot make loading
+# spin: 2**16 twists, about 0.1 s.
 MAX_TWISTS: Final = 2**16
-SEARCH_BUDGET_S: Final = 0.1
 _MT_WORDS: Final = 624
 _WORDS_BYTES: Final = _MT_WORDS * 4
-_CHUNK_TWISTS: Final = 256  # twists generated per NumPy call while searching (1.3 MB)
 _HEAD = struct.Struct("<II")  # k, CRC-32 of the words
 # Per part (Python, NumPy, torch): where its words start, and its whole size.
 _WORDS_AT: Final = (4, 4, _TORCH_WORDS_AT)
@@ -103,7 +80,7 @@ def check_code(code: bytes, part: int, name: str) -> tuple[bytes, bytes]:
     if twists > MAX_TWISTS:
         raise ValueError(
             f"its {name} state is {twists} twists from the seed state; at most {MAX_TWISTS} "
-            "are replayed (snaploader never writes more)"
+            "are replayed (no version of snaploader wrote more)"
         )
     rest = code[_HEAD.size :]
     return rest[: _WORDS_AT[part]], rest[_WORDS_AT[part] :]
@@ -111,15 +88,6 @@ def check_code(code: bytes, part: int, name: str) -> tuple[bytes, bytes]:
 
 def _words(part: bytes, index: int) -> np.ndarray:
     return np.frombuffer(part, dtype="<u4", count=_MT_WORDS, offset=_WORDS_AT[index])
-
-
-def _temper(words: np.ndarray) -> np.ndarray:
-    y = words.astype(np.uint32)
-    y ^= y >> 11
-    y ^= (y << 7) & np.uint32(0x9D2C5680)
-    y ^= (y << 15) & np.uint32(0xEFC60000)
-    y ^= y >> 18
-    return y
 
 
 def _twister(words: np.ndarray) -> np.random.MT19937:
@@ -141,67 +109,6 @@ def twisted(words: np.ndarray, twists: int) -> np.ndarray:
     return key.astype("<u4")
 
 
-class _Path:
-    """How far one seed state's path has been searched: the generator at the last state
-    found (or the bound, once a search found nothing), and the states found (a few, for
-    snapshots asked again). Only states after the last one found are looked for: an
-    older one asked for later (a loader rolled back in the same process) stays raw, as
-    a search from the seed each time would make every checkpoint of a pipeline that
-    outruns the bound walk all of it again."""
-
-    def __init__(self, seed_words: np.ndarray) -> None:
-        self.walked = 0
-        self.generator = _twister(seed_words)
-        self.found: OrderedDict[bytes, int] = OrderedDict()
-
-    def find(self, words: bytes, deadline: float) -> int | None:
-        """The twist count of ``words`` on this path, or None beyond MAX_TWISTS or when
-        ``time.monotonic()`` passes ``deadline`` first."""
-        if words in self.found:
-            return self.found[words]
-        target = _temper(np.frombuffer(words, dtype="<u4"))
-        twists = self._walk(target, MAX_TWISTS, deadline)
-        if twists is None:
-            return None
-        # Walk on from here next time, not from the end of the block searched: the
-        # next state asked for is usually a little further on.
-        self.walked, self.generator = twists, _twister(np.frombuffer(words, dtype="<u4"))
-        self.found[words] = twists
-        if len(self.found) > 8:
-            self.found.popitem(last=False)
-        return twists
-
-    def _walk(self, target: np.ndarray, bound: int, deadline: float) -> int | None:
-        chunk = 4  # small steps first: between two checkpoints a light pipeline twists a few times
-        while self.walked < bound:
-            if time.monotonic() > deadline:
-                return None  # out of time: walk on from here next time
-            step = min(chunk, bound - self.walked)
-            chunk = min(2 * chunk, _CHUNK_TWISTS)
-            block = self.generator.random_raw(_MT_WORDS * step).reshape(step, _MT_WORDS)
-            for row in np.flatnonzero(block[:, 0] == target[0]):
-                if np.array_equal(block[row], target):
-                    return self.walked + int(row) + 1
-            self.walked += step
-        return None
-
-
-_paths: OrderedDict[tuple[int, int, int], _Path] = OrderedDict()
-_paths_lock = threading.Lock()
-
-
-@functools.lru_cache(maxsize=64)
-def seed_state(base_seed: int, worker_id: int) -> tuple[bytes, bytes, bytes]:
-    """The three parts ``capture_rng()`` gives right after ``seed_like_torch(base_seed,
-    worker_id)``, computed on throwaway generators (the global ones are left alone)."""
-    seed = base_seed + worker_id
-    python = python_rng_access(random.Random(seed)).read()
-    legacy = np.random.RandomState(torch_worker._generate_state(base_seed, worker_id))
-    numpy = legacy_numpy_access(legacy).read()
-    generator = torch.Generator().manual_seed(seed)
-    return python, numpy, pack_torch_state(generator.get_state().numpy().tobytes())
-
-
 def _parts(blob: bytes, seed: tuple[bytes, bytes, bytes]) -> list[bytes]:
     flags, at, parts = blob[0], 1, []
     for part, size in enumerate(part_sizes(flags)):
@@ -212,47 +119,6 @@ def _parts(blob: bytes, seed: tuple[bytes, bytes, bytes]) -> list[bytes]:
         parts.append(blob[at:end])
         at = end
     return parts
-
-
-def compact(blob: bytes, base_seed: int, worker_id: int, deadline: float = float("inf")) -> bytes:
-    """``blob`` (a ``capture_rng`` blob of worker ``worker_id`` seeded from
-    ``base_seed``) with each moved state found near its seed, before ``deadline``
-    (``time.monotonic()``), written as a code."""
-    flags = blob[0]
-    if (flags & 0b111) == 0b111 or flags >> _CODED_SHIFT:
-        return blob  # nothing moved, or already compact
-    seed = seed_state(base_seed, worker_id)
-    parts = _parts(blob, seed)
-    kept: list[bytes] = []
-    for part in range(3):
-        if flags & (1 << part):
-            continue
-        raw = parts[part]
-        words = raw[_WORDS_AT[part] : _WORDS_AT[part] + _WORDS_BYTES]
-        twists = None
-        if _codable(part) and len(raw) == _PART_BYTES[part]:
-            with _paths_lock:
-                twists = _path(base_seed, worker_id, part, seed[part]).find(words, deadline)
-        if twists is None:
-            kept.append(raw)
-            continue
-        flags |= 1 << (_CODED_SHIFT + part)
-        kept.append(
-            _HEAD.pack(twists, zlib.crc32(words))
-            + raw[: _WORDS_AT[part]]
-            + raw[_WORDS_AT[part] + _WORDS_BYTES :]
-        )
-    return bytes((flags,)) + b"".join(kept)
-
-
-def _path(base_seed: int, worker_id: int, part: int, seed_part: bytes) -> _Path:
-    key = (base_seed, worker_id, part)
-    path = _paths.get(key)
-    if path is None:
-        path = _paths[key] = _Path(_words(seed_part, part))
-        if len(_paths) > 96:  # 32 workers' three generators
-            _paths.popitem(last=False)
-    return path
 
 
 def expand(blob: bytes, seed: tuple[bytes, bytes, bytes]) -> bytes:
