@@ -1,4 +1,4 @@
-"""stress/bench.py on tiny settings: every measurement runs and the outputs have the
+"""The benchmark (the package stress/bench/) on tiny settings: every measurement runs and the outputs have the
 expected shape. No timing is asserted here; the benchmark reports targets, never
 fails on them."""
 
@@ -7,21 +7,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import pytest
-
-from ._support import load_stress_script
-
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return load_stress_script("bench")
+from stress.bench.__main__ import run
+from stress.bench.config import Config
+from stress.bench.contenders import available, find_contenders
+from stress.bench.report import render_markdown, render_text
 
 
-def tiny_config(bench: ModuleType) -> Any:
-    return bench.Config(
+def tiny_config() -> Config:
+    return Config(
         mode="test",
         workers=(0, 1),
         repeats=1,
@@ -44,9 +39,9 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
-    config = tiny_config(bench)
-    report = bench.run(config, tmp_path, log=lambda line: None)
+def test_run_writes_every_output(tmp_path: Path) -> None:
+    config = tiny_config()
+    report = run(config, tmp_path, log=lambda line: None)
 
     saved = json.loads((tmp_path / "results.json").read_text())
     for key in ("meta", "config", "contenders", "workloads", "state_dict", "restore", "targets", "timing_s"):
@@ -100,7 +95,7 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
     assert all(isinstance(t["met"], bool) for t in saved["targets"])
 
     markdown = (tmp_path / "results.md").read_text()
-    assert markdown == bench.render_markdown(report)
+    assert markdown == render_markdown(report)
     assert f"took {report['timing_s']['total'] / 60:.1f} min" in markdown.splitlines()[0]
     rows = [line for line in markdown.splitlines() if line.startswith("| ")]
     for name in config.workloads:
@@ -108,7 +103,7 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
     assert "| target |" in markdown
     assert "| num_workers=0, tiny items |" in markdown
     assert "| loader | cold start ms | early ms | 10% ms | 50% ms | late (90%) ms |" in markdown
-    assert bench.render_text(report)  # the stdout table renders
+    assert render_text(report)  # the stdout table renders
 
     if report["plot"] is not None:
         assert (tmp_path / report["plot"]).stat().st_size > 0
@@ -116,11 +111,11 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
         assert "matplotlib" in report["plot_skipped"]
 
 
-def test_markdown_names_a_skipped_contender(bench: ModuleType) -> None:
-    contenders = bench.find_contenders(["torch", "snaploader", "torchdata"])
+def test_markdown_names_a_skipped_contender() -> None:
+    contenders = find_contenders(["torch", "snaploader", "torchdata"])
     contenders["torchdata"].skipped = "not importable (test)"
     contenders["torchdata"].make = None
-    assert [c.name for c in bench.available(contenders)] == ["torch", "snaploader"]
+    assert [c.name for c in available(contenders)] == ["torch", "snaploader"]
     report = {
         "meta": {"started": "now", "cpus": 2, "torch": "x"},
         "config": {"mode": "test", "repeats": 1, "table_workers": 2,
@@ -128,4 +123,4 @@ def test_markdown_names_a_skipped_contender(bench: ModuleType) -> None:
         "contenders": {c.name: {"version": c.version, "skipped": c.skipped} for c in contenders.values()},
         "workloads": {},
     }
-    assert "torchdata: not importable (test)" in bench.render_markdown(report)
+    assert "torchdata: not importable (test)" in render_markdown(report)
