@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from stress.bench.__main__ import run
-from stress.bench.config import Config
+from stress.bench.config import Config, LoopCase, StateDictCase
 from stress.bench.contenders import available, find_contenders
 from stress.bench.report import render_markdown, render_text
+from stress.bench.workloads import PIPELINES
 
 
 def tiny_config() -> Config:
@@ -23,10 +24,14 @@ def tiny_config() -> Config:
         trial_s=0.2,
         workloads={"compute": 4, "tiny": 8, "large": 4, "sleep": 4},
         snapshot_calls=20,
-        state_dict_cases=((1, 100, "plain"), (2, 100_000, "plain"), (2, 200, "rng")),
-        state_dict_calls=10,
-        state_dict_rounds=2,
-        state_dict_span_s=0.01,
+        # the light case spans two epochs of persistent workers; the heavy one is short
+        state_dict_cases=(
+            StateDictCase(1, 100, "plain", 3), StateDictCase(2, 100_000, "plain", 3),
+            StateDictCase(2, 64, "light", 6), StateDictCase(2, 32, "heavy", 2),
+        ),
+        loop_cases=(LoopCase("light", 4),),
+        loop_repeats=1,
+        checkpoint_workers=2,
         restore_items=2_000,
         restore_batch_size=16,
         restore_late_fraction=0.9,
@@ -71,9 +76,24 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
 
     stateful = [c for c in measured if c != "torch"]
     assert len(saved["state_dict"]) == len(config.state_dict_cases) * len(stateful)
-    for row in saved["state_dict"]:
-        assert _positive(row["median_us"]) and row["size_bytes"] > 0
-        assert 0 < row["best_round_us"] <= row["median_us"] <= row["p90_us"]
+    for row, case in zip(saved["state_dict"], [c for c in config.state_dict_cases for _ in stateful]):
+        assert (row["workers"], row["dataset_len"], row["pipeline"]) == (case.workers, case.dataset_len, case.pipeline)
+        assert row["steps"] == case.steps == len(row["cold_us"])
+        assert len(row["warm_us"]) == case.steps * config.state_dict_warm_calls
+        for kind in ("cold", "warm"):
+            assert 0 < row[kind]["median_us"] <= row[kind]["p99_us"] <= row[kind]["max_us"]
+        assert row["size_bytes"] == max(row["sizes_bytes"]) > 0
+    light = [r for r in saved["state_dict"] if r["pipeline"] == "light"]
+    assert light and all(r["epochs"] == 2 and r["persistent"] for r in light)
+
+    assert len(saved["training_loop"]) == len(config.loop_cases)
+    loop = saved["training_loop"][0]
+    assert loop["workers"] == config.checkpoint_workers and set(loop["loaders"]) == set(measured)
+    assert _positive(loop["loaders"]["torch"]["without_sps"]) and "with_sps" not in loop["loaders"]["torch"]
+    for name in stateful:
+        entry = loop["loaders"][name]
+        assert _positive(entry["without_sps"]) and _positive(entry["with_sps"])
+        assert _positive(entry["with_over_without"])
 
     restore = saved["restore"]["loaders"]
     assert set(restore) == set(measured)
@@ -92,6 +112,10 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     assert any("throughput" in n for n in names) and any("snapshot" in n for n in names)
     assert "tiny throughput vs torch (W=0)" in names  # issue 11's row
     assert any("peak fds" in n for n in names)
+    for name in ("state_dict() p99 at W=2", "state_dict() max at W=2", "state_dict() size at W=2 (torch.save)",
+                 "state_dict() size growth with dataset length",
+                 "training loop with state_dict() every step / without (W=2)"):
+        assert name in names, name  # issue 24's targets, read at checkpoint_workers
     assert all(isinstance(t["met"], bool) for t in saved["targets"])
 
     markdown = (tmp_path / "results.md").read_text()
@@ -103,6 +127,10 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     assert "| target |" in markdown
     assert "| num_workers=0, tiny items |" in markdown
     assert "| loader | cold start ms | early ms | 10% ms | 50% ms | late (90%) ms |" in markdown
+    described = [PIPELINES[case.pipeline].description for case in config.state_dict_cases]
+    ours = [line for line in rows if line.startswith("| snaploader | ") and "RNG" in line]
+    assert [d for d in described if any(f" | {d} | " in line for line in ours)] == described
+    assert "| training loop, state_dict() after every step |" in markdown
     assert render_text(report)  # the stdout table renders
 
     if report["plot"] is not None:

@@ -33,6 +33,7 @@ from .snapshot import measure_snapshot
 from .state_dict import measure_state_dict
 from .targets import evaluate_targets
 from .throughput import measure_workload, run_trial
+from .training_loop import measure_training_loop
 from .workloads import WORKLOADS, TinyItems, calibrate_compute_rounds
 
 
@@ -121,10 +122,22 @@ def _run(config: Config, out_dir: Path, log: Callable[[str], None]) -> dict[str,
     t0 = time.perf_counter()
     log("state_dict() latency and size")
     report["state_dict"] = measure_state_dict(
-        active, config.state_dict_cases, config.state_dict_calls, config.seed,
-        config.state_dict_rounds, config.state_dict_span_s,
+        active, config.state_dict_cases, config.state_dict_warm_calls, config.seed
     )
+    for r in report["state_dict"]:
+        log(f"  {r['loader']:10s} W={r['workers']} {r['pipeline']:5s} length {r['dataset_len']:>10,}: cold "
+            + " / ".join(f"{r['cold'][k]:.0f}" for k in ("median_us", "p99_us", "max_us"))
+            + " us (median / p99 / max), warm "
+            + " / ".join(f"{r['warm'][k]:.0f}" for k in ("median_us", "p99_us", "max_us"))
+            + f" us, {r['size_bytes'] / 1024:.1f} KB")
     report["timing_s"]["state_dict"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    log(f"training loop with state_dict() after every step, W={config.checkpoint_workers}")
+    report["training_loop"] = measure_training_loop(
+        active, config.loop_cases, config.checkpoint_workers, config.loop_repeats, config.seed, log
+    )
+    report["timing_s"]["training_loop"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     log("restore: load_state_dict() to first batch")

@@ -20,6 +20,95 @@ def _position_name(label: str, k: int, total: int) -> str:
     return label
 
 
+def _latency(summary: dict[str, float]) -> str:
+    return " / ".join(_fmt(summary[f"{stat}_us"]) for stat in ("median", "p99", "max"))
+
+
+def _loop_loaders(report: dict[str, Any]) -> tuple[list[str], str]:
+    """The stateful contenders measured, and a note naming those skipped."""
+    names = [c for c in report["config"]["contenders"] if c != "torch"]
+    measured = [c for c in names if report["contenders"][c]["skipped"] is None]
+    skipped = [f"{c} not measured ({report['contenders'][c]['skipped']})" for c in names if c not in measured]
+    return measured, "; ".join(skipped)
+
+
+def _state_dict_markdown(report: dict[str, Any]) -> list[str]:
+    if not report.get("state_dict"):
+        return []
+    lines = [
+        "",
+        "| state_dict() | W | dataset length | pipeline | batches (epochs) | cold µs (median / p99 / max)"
+        " | warm µs (median / p99 / max) | torch.save size KB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["state_dict"]:
+        lines.append(
+            f"| {r['loader']} | {r['workers']} | {r['dataset_len']:,} | {describe_pipeline(r)} | "
+            f"{r['steps']} ({r['epochs']}) | {_latency(r['cold'])} | {_latency(r['warm'])} | "
+            f"{_fmt(r['size_bytes'] / 1024)} |"
+        )
+    return lines
+
+
+def _loop_markdown(report: dict[str, Any]) -> list[str]:
+    if not report.get("training_loop"):
+        return []
+    stateful, skipped = _loop_loaders(report)
+    lines = [
+        "",
+        "| training loop, state_dict() after every step | W | steps | torch steps/s | "
+        + " | ".join(f"{c} steps/s without / with | {c} with / without" for c in stateful) + " |",
+        "|" + " --- |" * (4 + 2 * len(stateful)),
+    ]
+    for r in report["training_loop"]:
+        cells = [
+            f"{_fmt(r['loaders'][c]['without_sps'])} / {_fmt(r['loaders'][c]['with_sps'])} | "
+            f"{_fmt(r['loaders'][c]['with_over_without'], '.3f')}×"
+            for c in stateful
+        ]
+        lines.append(
+            f"| {describe_pipeline(r)} | {r['workers']} | {r['steps']} | "
+            f"{_fmt(r['loaders'].get('torch', {}).get('without_sps'))} | " + " | ".join(cells) + " |"
+        )
+    if skipped:
+        lines += ["", f"Training loop: {skipped}."]
+    return lines
+
+
+def _state_dict_text(report: dict[str, Any]) -> list[str]:
+    if not report.get("state_dict"):
+        return []
+    out = [
+        "",
+        "state_dict() after each batch, us (median / p99 / max)",
+        f"  {'loader':11s} {'W':>2s} {'length':>10s} {'pipeline':9s} {'batches':>7s}"
+        f" {'cold':>26s} {'warm':>26s} {'size KB':>8s}",
+    ]
+    for r in report["state_dict"]:
+        out.append(
+            f"  {r['loader']:11s} {r['workers']:>2d} {r['dataset_len']:>10d} {r['pipeline']:9s} {r['steps']:>7d}"
+            f" {_latency(r['cold']):>26s} {_latency(r['warm']):>26s} {r['size_bytes'] / 1024:>8.1f}"
+        )
+    return out
+
+
+def _loop_text(report: dict[str, Any]) -> list[str]:
+    if not report.get("training_loop"):
+        return []
+    stateful, skipped = _loop_loaders(report)
+    out = ["", "Training loop, state_dict() after every step (steps/s)"]
+    for r in report["training_loop"]:
+        line = f"  {r['pipeline']:6s} W={r['workers']}: torch {_fmt(r['loaders'].get('torch', {}).get('without_sps'))}"
+        for c in stateful:
+            e = r["loaders"][c]
+            line += (f"  {c} {_fmt(e['without_sps'])} without, {_fmt(e['with_sps'])} with"
+                     f" ({_fmt(e['with_over_without'], '.3f')}x)")
+        out.append(line)
+    if skipped:
+        out.append(f"  {skipped}")
+    return out
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The tables docs/performance.md shows, from one run."""
     tw = str(report["config"]["table_workers"])
@@ -73,18 +162,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             + " | ".join(f"{_fmt(inline[c]['ratio_to_torch'], '.2f')}×" for c in others if c in inline)
             + " |",
         ]
-    if report.get("state_dict"):
-        lines += [
-            "",
-            "| state_dict() | W | dataset length | pipeline | fastest round µs | median µs | p90 µs | torch.save size KB |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in report["state_dict"]:
-            lines.append(
-                f"| {r['loader']} | {r['workers']} | {r['dataset_len']:,} | {describe_pipeline(r)} | "
-                f"{_fmt(r['best_round_us'])} | {_fmt(r['median_us'])} | {_fmt(r['p90_us'])} | "
-                f"{_fmt(r['size_bytes'] / 1024)} |"
-            )
+    lines += _state_dict_markdown(report) + _loop_markdown(report)
     restore = report.get("restore")
     if restore:
         pos = restore["positions"]
@@ -164,18 +242,7 @@ def render_text(report: dict[str, Any]) -> str:
                 for w in entry["by_workers"]
             ]
             out.append(f"  {name:8s} {c:11s} " + "  ".join(cells))
-    if report.get("state_dict"):
-        out.append("")
-        out.append(
-            f"{'state_dict()':13s} {'W':>3s} {'length':>10s} {'pipeline':>28s} {'best rnd us':>11s} {'median us':>10s}"
-            f" {'p90 us':>8s} {'size KB':>8s}"
-        )
-        for r in report["state_dict"]:
-            out.append(
-                f"{r['loader']:13s} {r['workers']:>3d} {r['dataset_len']:>10d} {describe_pipeline(r):>28s}"
-                f" {r['best_round_us']:>11.1f} {r['median_us']:>10.1f}"
-                f" {r['p90_us']:>8.1f} {r['size_bytes'] / 1024:>8.1f}"
-            )
+    out += _state_dict_text(report) + _loop_text(report)
     restore = report.get("restore")
     if restore:
         out.append("")

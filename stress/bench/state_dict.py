@@ -1,90 +1,123 @@
-"""``state_dict()`` latency and ``torch.save`` size in the main process, mid-epoch, per
-contender with a ``state_dict()``, per (num_workers, dataset length, pipeline) case."""
+"""``state_dict()`` as users call it: in the main process, right after each new batch
+of a running loop, per contender with a ``state_dict()`` and per case (num_workers,
+dataset length, pipeline); its latency (median, p99, max) and ``torch.save`` size.
+
+Each batch is followed by one *cold* call (the first since that batch was yielded: it
+sees everything the batch moved) and ``warm_calls`` more with nothing in between (what
+a second caller, a logger or a look-back, pays). Every call is timed alone; nothing is
+called untimed first, and no call is dropped: a slow first call of an epoch, a garbage
+collection or a search that runs long shows in the p99 and the max, as in a training
+loop. The loaders shuffle, so a long dataset would show in the size if the sampler's
+position were saved as anything but a count. The light and heavy pipelines run with
+persistent workers through several epochs, so every worker's RNGs have moved on from
+their seeds, as in a long run.
+"""
 
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
-from stress._probes import saved_bytes
+from stress._probes import median, percentile, saved_bytes
 
+from .config import STATE_DICT_BATCH, StateDictCase
 from .contenders import Contender, build_loader, close_iterator
-from .workloads import RngItems, TinyItems
+from .workloads import pipeline
+
+_SIZE_SAMPLES: Final = 8  # states saved with torch.save per case, spread over its steps
 
 
 def describe_pipeline(row: dict[str, Any]) -> str:
-    """The pipeline of a state_dict() row, in words, for the tables and targets."""
-    if row.get("pipeline", "plain") == "rng":
-        return "3 RNGs drawn, persistent, epoch 2"
-    return "no RNG draws"
+    """The pipeline of a state_dict() or training-loop row, in words."""
+    return pipeline(row.get("pipeline", "plain")).description
 
 
-# The calls are spread over a span in rounds: a shared machine's speed
-# drifts in stretches of about a second (the same pure-Python work measured 15 µs and
-# 25-30 µs in alternating stretches on the 2-core machine), and calls made back to back
-# would all land in one of them. The target reads the fastest round's median, as
-# timeit reads the best of its repeats (the snapshot row does the same): the cost of
-# the code, not of the stretch; the median and p90 over all calls show the rest.
+def latency_summary(times_ns: Sequence[int]) -> dict[str, float]:
+    """Median, p99 and max of call times, in µs."""
+    times_us = [t / 1e3 for t in times_ns]
+    return {
+        "median_us": median(times_us),
+        "p99_us": percentile(times_us, 0.99),
+        "max_us": max(times_us),
+    }
+
+
 def measure_state_dict(
-    contenders: Sequence[Contender], cases: Sequence[tuple[int, int, str]], calls: int, seed: int,
-    rounds: int, span_s: float,
+    contenders: Sequence[Contender], cases: Sequence[StateDictCase], warm_calls: int, seed: int
 ) -> list[dict[str, Any]]:
-    """state_dict() latency (µs, every call timed alone) mid-epoch and its torch.save
-    size, per contender with a state_dict(), per (num_workers, dataset length, pipeline)
-    case. The loaders shuffle, so a long dataset would show in the size if the sampler's
-    position were saved as anything but a count. An "rng" case runs persistent workers
-    whose items draw from all three global RNGs through two whole epochs first, then
-    measures mid-way through the third: every worker's states have moved, and since its
-    seed, not just since the epoch began. The calls are made in ``rounds`` rounds
-    spread over ``span_s`` seconds: the median and p90 over all of them, and the fastest
-    round's median."""
+    """One row per case and contender with a ``state_dict()``: ``cold`` and ``warm``
+    latency summaries (see the module docstring), the largest ``torch.save`` size of
+    the states sampled through the run, and every call's time."""
+    if warm_calls < 1:
+        raise ValueError(f"warm_calls should be at least 1 (a warm call per batch), got {warm_calls}")
     rows = []
-    for w, length, pipeline in cases:
-        rng = pipeline == "rng"
-        dataset = RngItems(length) if rng else TinyItems(length)
+    for case in cases:
+        pipe = pipeline(case.pipeline)
+        dataset = pipe.make(case.dataset_len)
         for contender in contenders:
             if contender.name == "torch":
                 continue  # no state_dict()
-            loader = build_loader(contender, dataset, 16, w, seed, persistent=rng)
-            iterator = None
+            loader = build_loader(
+                contender, dataset, STATE_DICT_BATCH, case.workers, seed, persistent=pipe.persistent
+            )
             try:
-                for _ in range(2 if rng else 0):
-                    for _ in loader:
-                        pass
-                iterator = iter(loader)
-                for _ in range(2 * w + 3):
-                    next(iterator)
-                time.sleep(0.05)  # let the prefetched batches land
-                loader.state_dict()  # the first call of an epoch finds the RNG codes (_rngcode.py)
-                rounds_ns: list[list[int]] = []
-                for round_ in range(rounds):
-                    if round_:
-                        time.sleep(span_s / rounds)
-                    rounds_ns.append([])
-                    for _ in range(max(1, calls // rounds)):
-                        t0 = time.perf_counter_ns()
-                        loader.state_dict()
-                        rounds_ns[-1].append(time.perf_counter_ns() - t0)
-                size = len(saved_bytes(loader.state_dict()))
+                cold_ns, warm_ns, sizes, epochs = _call_after_each_batch(loader, case.steps, warm_calls)
             finally:
-                if iterator is not None:
-                    close_iterator(iterator)
-                del iterator, loader
+                del loader
                 gc.collect()
-            times_ns = sorted(t for round_ns in rounds_ns for t in round_ns)
             rows.append(
                 {
                     "loader": contender.name,
-                    "workers": w,
-                    "dataset_len": length,
-                    "pipeline": pipeline,
-                    "median_us": times_ns[len(times_ns) // 2] / 1e3,
-                    "best_round_us": min(statistics.median(r) for r in rounds_ns) / 1e3,
-                    "p90_us": times_ns[int(len(times_ns) * 0.9)] / 1e3,
-                    "size_bytes": size,
+                    "workers": case.workers,
+                    "dataset_len": case.dataset_len,
+                    "pipeline": case.pipeline,
+                    "persistent": pipe.persistent,
+                    "steps": len(cold_ns),
+                    "epochs": epochs,
+                    "cold": latency_summary(cold_ns),
+                    "warm": latency_summary(warm_ns),
+                    "size_bytes": max(sizes),
+                    "sizes_bytes": sizes,
+                    "cold_us": [round(t / 1e3, 1) for t in cold_ns],
+                    "warm_us": [round(t / 1e3, 1) for t in warm_ns],
                 }
             )
     return rows
+
+
+def _call_after_each_batch(
+    loader: Any, steps: int, warm_calls: int
+) -> tuple[list[int], list[int], list[int], int]:
+    """Cold and warm call times (ns), sampled torch.save sizes, and the epochs begun,
+    over ``steps`` batches of ``loader``, epoch after epoch."""
+    cold_ns: list[int] = []
+    warm_ns: list[int] = []
+    sizes: list[int] = []
+    size_every = max(1, steps // _SIZE_SAMPLES)
+    epochs = 0
+    iterator = None
+    try:
+        while len(cold_ns) < steps:
+            epochs += 1
+            iterator = iter(loader)  # persistent workers carry on into the next epoch
+            begun = len(cold_ns)
+            for _ in iterator:
+                t0 = time.perf_counter_ns()
+                state = loader.state_dict()
+                cold_ns.append(time.perf_counter_ns() - t0)
+                for _ in range(warm_calls):
+                    t0 = time.perf_counter_ns()
+                    loader.state_dict()
+                    warm_ns.append(time.perf_counter_ns() - t0)
+                if len(cold_ns) % size_every == 0 or len(cold_ns) == steps:
+                    sizes.append(len(saved_bytes(state)))
+                if len(cold_ns) == steps:
+                    break
+            if len(cold_ns) == begun:
+                raise ValueError("the state_dict() case's dataset yields no batch: give it at least one")
+    finally:
+        if iterator is not None:
+            close_iterator(iterator)
+    return cold_ns, warm_ns, sizes, epochs

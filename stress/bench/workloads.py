@@ -1,12 +1,14 @@
 """The benchmark's datasets: the four workloads of the throughput sweep (compute-bound,
-tiny, large, sleeping items), the items that draw from the workers' global RNGs for
-the state_dict() and restore measures, and the calibration of the compute items.
+tiny, large, sleeping items) and the calibration of the compute items; the pipelines
+of the state_dict() and training-loop measures (plain, and issue 24's light and heavy
+items drawing from the workers' three global RNGs); the restore measure's items.
 
 Module-level classes, so they pickle for workers under any start method.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -73,12 +75,27 @@ class AugmentedTinyItems(TinyItems):
         return index * 1000 + int(np.random.randint(1000))
 
 
-class RngItems(TinyItems):
-    """A tiny item plus one draw from each of the worker's three global RNGs (Python,
-    NumPy, torch): every state in the checkpoint has moved."""
+class NoiseItems(Dataset[torch.Tensor]):
+    """Issue 24's pipelines: each sample draws ``shape``'s worth of floats from each of
+    the worker's three global RNGs (torch, NumPy, Python) and returns torch's draw, a
+    noise "image". Python's draw is one ``random.getrandbits(64 * floats)``, which
+    moves its Mersenne Twister exactly as far as ``floats`` calls of
+    ``random.random()`` (two 32-bit words each) in half a Python loop's time: what a
+    checkpoint holds depends on how far each generator moved, not on how the draws
+    were spelled."""
 
-    def __getitem__(self, index: int) -> int:
-        return index * 1000 + random.randrange(10) + int(np.random.randint(10)) + int(torch.randint(10, ()))
+    def __init__(self, length: int, shape: tuple[int, ...]) -> None:
+        self.length = length
+        self.shape = shape
+        self.floats = math.prod(shape)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        np.random.random_sample(self.floats)
+        random.getrandbits(64 * self.floats)
+        return torch.rand(self.shape)
 
 
 class LargeItems(Dataset[torch.Tensor]):
@@ -128,6 +145,39 @@ def calibrate_compute_rounds(target_ms: float = COMPUTE_ITEM_MS) -> tuple[int, f
         per_round = max((measured - base) / rounds, 1e-6)
         rounds = max(1, round((target_ms - base) / per_round))
     return rounds, per_item_ms(rounds)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A dataset of the state_dict() and training-loop measures, and whether its
+    loader keeps its workers between epochs (the worker RNGs then move on from their
+    seeds through every epoch, as in a long training run)."""
+
+    name: str
+    description: str
+    sample_shape: tuple[int, ...] | None  # floats drawn per sample from each RNG; None: none
+    persistent: bool
+
+    def make(self, length: int) -> Dataset[Any]:
+        if self.sample_shape is None:
+            return TinyItems(length)
+        return NoiseItems(length, self.sample_shape)
+
+
+PIPELINES: Final = {
+    p.name: p
+    for p in (
+        Pipeline("plain", "no RNG draws", None, False),
+        Pipeline("light", "1,000 floats from each of 3 RNGs per sample, persistent", (1000,), True),
+        Pipeline("heavy", "3x224x224 floats from each of 3 RNGs per sample, persistent", (3, 224, 224), True),
+    )
+}
+
+
+def pipeline(name: str) -> Pipeline:
+    if name not in PIPELINES:
+        raise ValueError(f"unknown pipeline {name!r}: one of {', '.join(PIPELINES)}")
+    return PIPELINES[name]
 
 
 def make_dataset(name: str, length: int, compute_rounds: int) -> Dataset[Any]:
