@@ -30,8 +30,9 @@ never asserted: the exit status is 0 whatever the timings.
 The package holds one concern a module: ``config`` (the sizes of a run),
 ``workloads`` (the datasets), ``contenders`` (the loaders compared), one module per
 measure (``throughput`` with first-batch latency and CPU time, ``memory``'s sampler
-beside it, ``snapshot``, ``state_dict``, ``training_loop``, ``restore``), ``targets`` (the limits each run
-is read against, apart from the measures), ``report`` and ``plot`` (the renderings),
-and ``__main__`` (the orchestration, ``run()``, and the command line, ``main()``).
-Probes shared with the other stress scripts live in ``stress/_probes.py``.
+beside it, ``snapshot``, ``state_dict``, ``training_loop``, ``restore``),
+``targets`` (the limits each run is read against, apart from the measures),
+``report`` and ``plot`` (the renderings), and ``__main__`` (the orchestration,
+``run()``, and the command line, ``main()``). Probes shared with the other stress
+scripts live in ``stress/_probes.py``.
 """
