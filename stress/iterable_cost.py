@@ -45,11 +45,10 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-try:
-    import snaploader
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import snaploader
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import snaploader  # noqa: E402
+from stress._probes import saved_bytes  # noqa: E402
 
 
 class _BufferIterator:
@@ -159,11 +158,8 @@ def snapshot_alone_ms(v: Variant, args: argparse.Namespace) -> float:
 
 
 def through_bytes(state: Any) -> Any:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    size = buffer.tell()
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True), size
+    blob = saved_bytes(state)
+    return torch.load(io.BytesIO(blob), weights_only=True), len(blob)
 
 
 @dataclass

@@ -67,6 +67,7 @@ import torch  # noqa: E402
 
 from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning
 from stress._datasets import KINDS, LeakCheck, fingerprint, make_dataset, quiet_worker  # noqa: E402
+from stress._probes import percentile  # noqa: E402
 
 # torch's advice when num_workers exceeds the CPU count: 3 workers on 2 cores is the point.
 warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -199,11 +200,6 @@ def run_epochs(make: Callable[[], DataLoader], epochs: int, killer: Killer | Non
         if it is not None:
             it.close()
     return out, gave_up
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> int:

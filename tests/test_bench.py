@@ -1,4 +1,4 @@
-"""stress/bench.py on tiny settings: every measurement runs and the outputs have the
+"""The benchmark (the package stress/bench/) on tiny settings: every measurement runs and the outputs have the
 expected shape. No timing is asserted here; the benchmark reports targets, never
 fails on them."""
 
@@ -7,31 +7,31 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import pytest
-
-from ._support import load_stress_script
-
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return load_stress_script("bench")
+from stress.bench.__main__ import run
+from stress.bench.config import Config, LoopCase, StateDictCase
+from stress.bench.contenders import available, find_contenders
+from stress.bench.report import render_markdown, render_text
+from stress.bench.workloads import PIPELINES
 
 
-def tiny_config(bench: ModuleType) -> Any:
-    return bench.Config(
+def tiny_config() -> Config:
+    return Config(
         mode="test",
         workers=(0, 1),
         repeats=1,
         trial_s=0.2,
         workloads={"compute": 4, "tiny": 8, "large": 4, "sleep": 4},
         snapshot_calls=20,
-        state_dict_cases=((1, 100, "plain"), (2, 100_000, "plain"), (2, 200, "rng")),
-        state_dict_calls=10,
-        state_dict_rounds=2,
-        state_dict_span_s=0.01,
+        # the light case spans two epochs of persistent workers; the heavy one is short
+        state_dict_cases=(
+            StateDictCase(1, 100, "plain", 3), StateDictCase(2, 100_000, "plain", 3),
+            StateDictCase(2, 64, "light", 6), StateDictCase(2, 32, "heavy", 2),
+        ),
+        loop_cases=(LoopCase("light", 4),),
+        loop_repeats=1,
+        checkpoint_workers=2,
         restore_items=2_000,
         restore_batch_size=16,
         restore_late_fraction=0.9,
@@ -44,9 +44,9 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
-    config = tiny_config(bench)
-    report = bench.run(config, tmp_path, log=lambda line: None)
+def test_run_writes_every_output(tmp_path: Path) -> None:
+    config = tiny_config()
+    report = run(config, tmp_path, log=lambda line: None)
 
     saved = json.loads((tmp_path / "results.json").read_text())
     for key in ("meta", "config", "contenders", "workloads", "state_dict", "restore", "targets", "timing_s"):
@@ -76,9 +76,24 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
 
     stateful = [c for c in measured if c != "torch"]
     assert len(saved["state_dict"]) == len(config.state_dict_cases) * len(stateful)
-    for row in saved["state_dict"]:
-        assert _positive(row["median_us"]) and row["size_bytes"] > 0
-        assert 0 < row["best_round_us"] <= row["median_us"] <= row["p90_us"]
+    for row, case in zip(saved["state_dict"], [c for c in config.state_dict_cases for _ in stateful]):
+        assert (row["workers"], row["dataset_len"], row["pipeline"]) == (case.workers, case.dataset_len, case.pipeline)
+        assert row["steps"] == case.steps == len(row["cold_us"])
+        assert len(row["warm_us"]) == case.steps * config.state_dict_warm_calls
+        for kind in ("cold", "warm"):
+            assert 0 < row[kind]["median_us"] <= row[kind]["p99_us"] <= row[kind]["max_us"]
+        assert row["size_bytes"] == max(row["sizes_bytes"]) > 0
+    light = [r for r in saved["state_dict"] if r["pipeline"] == "light"]
+    assert light and all(r["epochs"] == 2 and r["persistent"] for r in light)
+
+    assert len(saved["training_loop"]) == len(config.loop_cases)
+    loop = saved["training_loop"][0]
+    assert loop["workers"] == config.checkpoint_workers and set(loop["loaders"]) == set(measured)
+    assert _positive(loop["loaders"]["torch"]["without_sps"]) and "with_sps" not in loop["loaders"]["torch"]
+    for name in stateful:
+        entry = loop["loaders"][name]
+        assert _positive(entry["without_sps"]) and _positive(entry["with_sps"])
+        assert _positive(entry["with_over_without"])
 
     restore = saved["restore"]["loaders"]
     assert set(restore) == set(measured)
@@ -97,10 +112,14 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
     assert any("throughput" in n for n in names) and any("snapshot" in n for n in names)
     assert "tiny throughput vs torch (W=0)" in names  # issue 11's row
     assert any("peak fds" in n for n in names)
+    for name in ("state_dict() p99 at W=2", "state_dict() max at W=2", "state_dict() size at W=2 (torch.save)",
+                 "state_dict() size growth with dataset length",
+                 "training loop with state_dict() every step / without (W=2)"):
+        assert name in names, name  # issue 24's targets, read at checkpoint_workers
     assert all(isinstance(t["met"], bool) for t in saved["targets"])
 
     markdown = (tmp_path / "results.md").read_text()
-    assert markdown == bench.render_markdown(report)
+    assert markdown == render_markdown(report)
     assert f"took {report['timing_s']['total'] / 60:.1f} min" in markdown.splitlines()[0]
     rows = [line for line in markdown.splitlines() if line.startswith("| ")]
     for name in config.workloads:
@@ -108,7 +127,11 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
     assert "| target |" in markdown
     assert "| num_workers=0, tiny items |" in markdown
     assert "| loader | cold start ms | early ms | 10% ms | 50% ms | late (90%) ms |" in markdown
-    assert bench.render_text(report)  # the stdout table renders
+    described = [PIPELINES[case.pipeline].description for case in config.state_dict_cases]
+    ours = [line for line in rows if line.startswith("| snaploader | ") and "RNG" in line]
+    assert [d for d in described if any(f" | {d} | " in line for line in ours)] == described
+    assert "| training loop, state_dict() after every step |" in markdown
+    assert render_text(report)  # the stdout table renders
 
     if report["plot"] is not None:
         assert (tmp_path / report["plot"]).stat().st_size > 0
@@ -116,11 +139,11 @@ def test_run_writes_every_output(bench: ModuleType, tmp_path: Path) -> None:
         assert "matplotlib" in report["plot_skipped"]
 
 
-def test_markdown_names_a_skipped_contender(bench: ModuleType) -> None:
-    contenders = bench.find_contenders(["torch", "snaploader", "torchdata"])
+def test_markdown_names_a_skipped_contender() -> None:
+    contenders = find_contenders(["torch", "snaploader", "torchdata"])
     contenders["torchdata"].skipped = "not importable (test)"
     contenders["torchdata"].make = None
-    assert [c.name for c in bench.available(contenders)] == ["torch", "snaploader"]
+    assert [c.name for c in available(contenders)] == ["torch", "snaploader"]
     report = {
         "meta": {"started": "now", "cpus": 2, "torch": "x"},
         "config": {"mode": "test", "repeats": 1, "table_workers": 2,
@@ -128,4 +151,4 @@ def test_markdown_names_a_skipped_contender(bench: ModuleType) -> None:
         "contenders": {c.name: {"version": c.version, "skipped": c.skipped} for c in contenders.values()},
         "workloads": {},
     }
-    assert "torchdata: not importable (test)" in bench.render_markdown(report)
+    assert "torchdata: not importable (test)" in render_markdown(report)

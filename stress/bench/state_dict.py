@@ -1,0 +1,123 @@
+"""``state_dict()`` as users call it: in the main process, right after each new batch
+of a running loop, per contender with a ``state_dict()`` and per case (num_workers,
+dataset length, pipeline); its latency (median, p99, max) and ``torch.save`` size.
+
+Each batch is followed by one *cold* call (the first since that batch was yielded: it
+sees everything the batch moved) and ``warm_calls`` more with nothing in between (what
+a second caller, a logger or a look-back, pays). Every call is timed alone; nothing is
+called untimed first, and no call is dropped: a slow first call of an epoch, a garbage
+collection or a search that runs long shows in the p99 and the max, as in a training
+loop. The loaders shuffle, so a long dataset would show in the size if the sampler's
+position were saved as anything but a count. The light and heavy pipelines run with
+persistent workers through several epochs, so every worker's RNGs have moved on from
+their seeds, as in a long run.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+from stress._probes import median, percentile, saved_bytes
+
+from .config import STATE_DICT_BATCH, StateDictCase
+from .contenders import Contender, build_loader, close_iterator
+from .workloads import pipeline
+
+_SIZE_SAMPLES: Final = 8  # states saved with torch.save per case, spread over its steps
+
+
+def describe_pipeline(row: dict[str, Any]) -> str:
+    """The pipeline of a state_dict() or training-loop row, in words."""
+    return pipeline(row.get("pipeline", "plain")).description
+
+
+def latency_summary(times_ns: Sequence[int]) -> dict[str, float]:
+    """Median, p99 and max of call times, in µs."""
+    times_us = [t / 1e3 for t in times_ns]
+    return {
+        "median_us": median(times_us),
+        "p99_us": percentile(times_us, 0.99),
+        "max_us": max(times_us),
+    }
+
+
+def measure_state_dict(
+    contenders: Sequence[Contender], cases: Sequence[StateDictCase], warm_calls: int, seed: int
+) -> list[dict[str, Any]]:
+    """One row per case and contender with a ``state_dict()``: ``cold`` and ``warm``
+    latency summaries (see the module docstring), the largest ``torch.save`` size of
+    the states sampled through the run, and every call's time."""
+    if warm_calls < 1:
+        raise ValueError(f"warm_calls should be at least 1 (a warm call per batch), got {warm_calls}")
+    rows = []
+    for case in cases:
+        pipe = pipeline(case.pipeline)
+        dataset = pipe.make(case.dataset_len)
+        for contender in contenders:
+            if contender.name == "torch":
+                continue  # no state_dict()
+            loader = build_loader(
+                contender, dataset, STATE_DICT_BATCH, case.workers, seed, persistent=pipe.persistent
+            )
+            try:
+                cold_ns, warm_ns, sizes, epochs = _call_after_each_batch(loader, case.steps, warm_calls)
+            finally:
+                del loader
+                gc.collect()
+            rows.append(
+                {
+                    "loader": contender.name,
+                    "workers": case.workers,
+                    "dataset_len": case.dataset_len,
+                    "pipeline": case.pipeline,
+                    "persistent": pipe.persistent,
+                    "steps": len(cold_ns),
+                    "epochs": epochs,
+                    "cold": latency_summary(cold_ns),
+                    "warm": latency_summary(warm_ns),
+                    "size_bytes": max(sizes),
+                    "sizes_bytes": sizes,
+                    "cold_us": [round(t / 1e3, 1) for t in cold_ns],
+                    "warm_us": [round(t / 1e3, 1) for t in warm_ns],
+                }
+            )
+    return rows
+
+
+def _call_after_each_batch(
+    loader: Any, steps: int, warm_calls: int
+) -> tuple[list[int], list[int], list[int], int]:
+    """Cold and warm call times (ns), sampled torch.save sizes, and the epochs begun,
+    over ``steps`` batches of ``loader``, epoch after epoch."""
+    cold_ns: list[int] = []
+    warm_ns: list[int] = []
+    sizes: list[int] = []
+    size_every = max(1, steps // _SIZE_SAMPLES)
+    epochs = 0
+    iterator = None
+    try:
+        while len(cold_ns) < steps:
+            epochs += 1
+            iterator = iter(loader)  # persistent workers carry on into the next epoch
+            begun = len(cold_ns)
+            for _ in iterator:
+                t0 = time.perf_counter_ns()
+                state = loader.state_dict()
+                cold_ns.append(time.perf_counter_ns() - t0)
+                for _ in range(warm_calls):
+                    t0 = time.perf_counter_ns()
+                    loader.state_dict()
+                    warm_ns.append(time.perf_counter_ns() - t0)
+                if len(cold_ns) % size_every == 0 or len(cold_ns) == steps:
+                    sizes.append(len(saved_bytes(state)))
+                if len(cold_ns) == steps:
+                    break
+            if len(cold_ns) == begun:
+                raise ValueError("the state_dict() case's dataset yields no batch: give it at least one")
+    finally:
+        if iterator is not None:
+            close_iterator(iterator)
+    return cold_ns, warm_ns, sizes, epochs
