@@ -18,6 +18,7 @@ from ._format.schema import LoaderFacts
 from ._errors import ReplayRefusedError
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
+from ._state.options import Options
 from ._state.ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
 from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
@@ -26,7 +27,6 @@ from ._state.records import has_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count, state_with_skip
 
-_REPLAY_MODES: Final = ("warn", "allow", "refuse")
 # The type of the batches, as in torch: ``DataLoader[int]`` is valid in annotations.
 _T_co = TypeVar("_T_co", covariant=True)
 
@@ -38,25 +38,6 @@ class _Default(int):
 _SNAPSHOT_EVERY_DEFAULT: Final = _Default(1)
 
 
-def _resolve_snapshot_every(snapshot_every: int, snapshot_every_n_steps: int | None) -> int:
-    """``snapshot_every``, or torchdata's name for it, ``snapshot_every_n_steps``."""
-    if snapshot_every_n_steps is None:
-        return snapshot_every
-    if snapshot_every is not _SNAPSHOT_EVERY_DEFAULT:
-        raise ValueError(
-            f"snapshot_every={snapshot_every!r} and snapshot_every_n_steps="
-            f"{snapshot_every_n_steps!r} were both given; they are one option (the second is "
-            "torchdata's name for it): pass only one"
-        )
-    if (
-        not isinstance(snapshot_every_n_steps, int)
-        or isinstance(snapshot_every_n_steps, bool)
-        or snapshot_every_n_steps < 1
-    ):
-        raise ValueError(f"snapshot_every_n_steps should be an int >= 1, got {snapshot_every_n_steps!r}")
-    return snapshot_every_n_steps
-
-
 class DataLoader(torch_data.DataLoader[_T_co]):
     """A drop-in for :class:`torch.utils.data.DataLoader` whose ``state_dict()``, taken
     at any moment, resumes the batch stream bit for bit in a new process.
@@ -66,7 +47,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     * ``snapshot_every`` (int, default 1): for an iterable dataset whose iterator (or
       the dataset) implements ``state_dict()``, call it only every N batches; resume
-      then replays at most N-1 batches from the last such state, exactly.
+      then replays at most N-1 batches from the last such state, exactly. 0: only after
+      a worker's last batch (resume replays from the epoch start).
       ``snapshot_every_n_steps`` is accepted as torchdata's name for it (not both).
     * ``replay`` ("warn", "allow" or "refuse"; default "warn"): what to do when an exact
       resume of an iterable dataset without the state protocol must replay batches
@@ -154,45 +136,20 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 "worker (torch's DataLoader accepts it at construction, then raises "
                 "AssertionError at iter()); use prefetch_factor >= 1"
             )
-        snapshot_every = _resolve_snapshot_every(snapshot_every, snapshot_every_n_steps)
-        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 1:
-            raise ValueError(f"snapshot_every should be an int >= 1, got {snapshot_every!r}")
-        if replay not in _REPLAY_MODES:
-            raise ValueError(f"replay should be one of {_REPLAY_MODES}, got {replay!r}")
-        if not isinstance(max_worker_retries, int) or isinstance(max_worker_retries, bool) or max_worker_retries < 0:
-            raise ValueError(f"max_worker_retries should be an int >= 0, got {max_worker_retries!r}")
-        self.snapshot_every = int(snapshot_every)
-        self.replay = replay
-        self.max_worker_retries = max_worker_retries
-        if not isinstance(check_resume, bool):
-            raise ValueError(f"check_resume should be True or False, got {check_resume!r}")
-        self.check_resume = check_resume
-        if rng_objects is not None and not callable(rng_objects):
-            raise ValueError(
-                "rng_objects should be a callable that returns the objects holding "
-                f"generators (called in each worker), or None; got {type(rng_objects).__name__}"
-            )
-        self.rng_objects = rng_objects
-        self.exclude_rngs = _checked_exclude(exclude_rngs)
+        self.options = Options.checked(
+            num_workers,
+            snapshot_every=snapshot_every,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+            replay=replay,
+            max_worker_retries=max_worker_retries,
+            check_resume=check_resume,
+            rng_objects=rng_objects,
+            exclude_rngs=exclude_rngs,
+            state_protocol=state_protocol,
+            logical_workers=logical_workers,
+            snapshot_every_given=snapshot_every is not _SNAPSHOT_EVERY_DEFAULT,
+        )
         self._rng_census = RngCensus()
-        if not isinstance(state_protocol, bool):
-            raise ValueError(f"state_protocol should be True or False, got {state_protocol!r}")
-        self.state_protocol = state_protocol
-        if logical_workers is None:
-            logical_workers = num_workers
-        if not isinstance(logical_workers, int) or isinstance(logical_workers, bool) or logical_workers < 0:
-            raise ValueError(
-                f"logical_workers should be an int >= 0 (the worker count that defines the "
-                f"stream) or None for num_workers; got {logical_workers!r}"
-            )
-        if logical_workers == 0 and num_workers > 0:
-            raise ValueError(
-                "logical_workers=0 is num_workers=0's stream (torch's main-process "
-                "contract: the dataset object itself, no worker info); it cannot be "
-                f"hosted by num_workers={num_workers} worker processes. Pass "
-                "logical_workers >= 1, or None for num_workers"
-            )
-        self.logical_workers = logical_workers
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -201,6 +158,40 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         # Every iterator of this loader still alive (weakly: an iterator dropped by the
         # user must not be kept), so that load_state_dict() can invalidate them.
         self._iterators: weakref.WeakSet[SnapIterator] = weakref.WeakSet()
+
+    # -- the options, as attributes of their own names (docs/api.md) -------------------
+
+    @property
+    def snapshot_every(self) -> int:
+        return self.options.snapshot_every
+
+    @property
+    def replay(self) -> str:
+        return self.options.replay
+
+    @property
+    def max_worker_retries(self) -> int:
+        return self.options.max_worker_retries
+
+    @property
+    def check_resume(self) -> bool:
+        return self.options.check_resume
+
+    @property
+    def rng_objects(self) -> Callable[[], Any] | None:
+        return self.options.rng_objects
+
+    @property
+    def exclude_rngs(self) -> tuple[str, ...] | Callable[[str, Any], bool]:
+        return self.options.exclude_rngs
+
+    @property
+    def state_protocol(self) -> bool:
+        return self.options.state_protocol
+
+    @property
+    def logical_workers(self) -> int:
+        return self.options.logical_workers
 
     # -- iteration -------------------------------------------------------------------
 
@@ -225,15 +216,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             drop_last=self.drop_last,
             collate_fn=self.collate_fn,
             worker_init_fn=self.worker_init_fn,
-            snapshot_every=self.snapshot_every,
-            replay=self.replay,
-            max_worker_retries=self.max_worker_retries,
-            check_resume=self.check_resume,
-            rng_objects=self.rng_objects,
-            exclude_rngs=self.exclude_rngs,
+            options=self.options,
             rng_census=self._rng_census,
-            state_protocol=self.state_protocol,
-            logical_workers=self.logical_workers,
             in_order=self.in_order,
         )
 
@@ -343,7 +327,6 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     def _facts(self) -> LoaderFacts:
         return LoaderFacts(
             iterable=self._iterable,
-            slots=max(1, self.logical_workers),
             logical=self.logical_workers,
             dataset_has_protocol=self.state_protocol and has_state_protocol(self.dataset),
             state_protocol=self.state_protocol,
@@ -422,21 +405,3 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self._pending = restore.start
         self._pending_state = dict(state)
         self._progress = None
-
-
-def _checked_exclude(exclude: Any) -> Any:
-    if callable(exclude):
-        return exclude
-    if isinstance(exclude, str):
-        return (exclude,)
-    try:
-        paths = tuple(exclude)
-    except TypeError:
-        paths = None
-    if paths is None or not all(isinstance(path, str) for path in paths):
-        raise ValueError(
-            "exclude_rngs should be paths as captured_rngs() names them (a list of str, "
-            "e.g. ['dataset.noise_rng']) or a predicate (path, generator) -> bool; "
-            f"got {exclude!r:.80}"
-        )
-    return paths

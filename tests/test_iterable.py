@@ -350,11 +350,14 @@ def test_persistent_workers_stay_the_same_processes() -> None:
 
 @pytest.mark.parametrize(
     "kind,workers,every",
-    [("IteratorStateStream", 2, 3), ("OwnGeneratorStream", 2, 2), ("DatasetStateStream", 0, 2)],
+    [("IteratorStateStream", 2, 3), ("OwnGeneratorStream", 2, 2), ("DatasetStateStream", 0, 2),
+     ("IteratorStateStream", 2, 0), ("DatasetStateStream", 0, 0)],
 )
 def test_snapshot_every_n_resumes_at_every_cut(kind: str, workers: int, every: int) -> None:
     # A stateful dataset snapshotted every N batches replays at most N-1 batches from
-    # its last snapshot: by choice, so neither a warning nor a refusal.
+    # its last snapshot: by choice, so neither a warning nor a refusal. N=0 (torchdata's
+    # snapshot_every_n_steps=0) snapshots only after a worker's last batch: resume
+    # replays from the epoch start, as exactly.
     cfg = config(kind, workers, snapshot_every=every, replay="refuse")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*replays")

@@ -99,7 +99,7 @@ def test_in_order_false_is_honoured_without_a_warning() -> None:
 
 def test_bad_snaploader_options_raise_value_error() -> None:
     for name, value in [
-        ("snapshot_every", 0), ("snapshot_every", -2), ("snapshot_every", 1.5),
+        ("snapshot_every", -2), ("snapshot_every", 1.5),
         ("snapshot_every", True), ("snapshot_every", "2"), ("replay", "never"),
         ("replay", None), ("max_worker_retries", -1), ("max_worker_retries", 2.0),
         ("max_worker_retries", False),
@@ -279,6 +279,10 @@ def test_snapshot_every_n_steps_is_torchdatas_name_for_snapshot_every() -> None:
     assert torchdata_style == _state_after(2, snapshot_every=3)
     assert torchdata_style != _state_after(2)
     assert snaploader.DataLoader(Range(4), snapshot_every_n_steps=3).snapshot_every == 3
+    # torchdata's 0, "no periodic snapshots", is snaploader's 0 (tests/test_iterable.py
+    # resumes from it at every cut).
+    assert snaploader.DataLoader(Range(4), snapshot_every_n_steps=0).snapshot_every == 0
+    assert _state_after(2, snapshot_every_n_steps=0) == _state_after(2, snapshot_every=0)
 
 
 @pytest.mark.parametrize("both", [{"snapshot_every": 2}, {"snapshot_every": 1}])
@@ -287,9 +291,9 @@ def test_snapshot_every_and_its_torchdata_name_together_are_refused(both: dict[s
         snaploader.DataLoader(Range(4), snapshot_every_n_steps=2, **both)
 
 
-@pytest.mark.parametrize("value", [0, 1.5, True, "2"])
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
 def test_bad_snapshot_every_n_steps_is_named(value: Any) -> None:
-    with pytest.raises(ValueError, match=f"snapshot_every_n_steps should be an int >= 1, got {value!r}"):
+    with pytest.raises(ValueError, match=f"snapshot_every_n_steps should be an int >= 0, got {value!r}"):
         snaploader.DataLoader(Range(4), snapshot_every_n_steps=value)
 
 

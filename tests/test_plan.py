@@ -347,3 +347,23 @@ def test_random_sampler_subclass_keeps_its_own_iterator() -> None:
 
     expected = list(sampler())
     assert _drain(IndexPlan(sampler(), skip=3)) == expected[3:]
+
+
+def test_sampler_states_are_kept_from_the_first_batch_not_yielded_on() -> None:
+    # The plan keeps the stateful sampler's state before each drawn batch, and forgets
+    # those before the first batch not yet yielded: a checkpoint can point only there
+    # or later, and the plan holds no more states than batches in flight.
+    sampler = StatefulSampler(20, seed=1)
+    plan = IndexPlan(BatchSampler(sampler, 2, drop_last=False))
+    for _ in range(5):
+        plan.take()
+    before = [plan.sampler_state_before(k) for k in range(6)]
+    assert [state["state"]["position"] for state in before if state is not None] == [0, 2, 4, 6, 8, 10]
+    plan.forget_before(3)
+    assert len(plan.states) == 6 - 3
+    assert [plan.sampler_state_before(k) for k in range(3, 6)] == before[3:]
+    plan.forget_before(99)  # never past the newest state
+    assert len(plan.states) == 1 and plan.sampler_state_before(5) == before[5]
+    while plan.take() is not None:
+        pass
+    assert plan.sampler_state_before(10) == {"state": sampler.state_dict(), "done": True}

@@ -109,7 +109,7 @@ class SnapIterator:
         source = RngSource(settings.generator)
         restoring = start.restore_rng is not None
         rng_start = start.restore_rng if start.restore_rng is not None else source.get_state()
-        logical = settings.logical_workers if start.logical is None else start.logical
+        logical = settings.options.logical_workers if start.logical is None else start.logical
         workers = list(start.workers or [WorkerLedger() for _ in range(max(1, logical))])
         yielded, skip, expected = start.yielded, start.skip, start.expected_digests
         at_start = first_due(workers)  # where a restored stateful sampler stands
@@ -154,7 +154,7 @@ class SnapIterator:
                 counts = [share_count(ledger) for ledger in workers]
                 self.mapping = MapDispatch(plan, start_at, counts, settings.prefetch, not self.as_ready)
         self.progress.attach_plan(plan)
-        if expected is not None and settings.check_resume:
+        if expected is not None and settings.options.check_resume:
             self.progress.expected_digests = list(expected)
         self._dispatch()
 
@@ -183,12 +183,12 @@ class SnapIterator:
         replays = [replay_without_protocol(ledger) for ledger in self.progress.workers]
         if not any(replays):
             return
-        mode = self.settings.replay
+        mode = self.settings.options.replay
         message = replay_message(
             self.settings.dataset,
             replays,
             refused=mode == "refuse",
-            state_protocol=self.settings.state_protocol,
+            state_protocol=self.settings.options.state_protocol,
         )
         if mode == "refuse":
             raise ReplayRefusedError(message)
@@ -205,13 +205,10 @@ class SnapIterator:
             drop_last=settings.drop_last,
             collate_fn=settings.collate_fn,
             worker_init_fn=settings.worker_init_fn,
-            num_workers=self.progress.logical,
+            logical=self.progress.logical,
             base_seed=base_seed,
-            state_every=settings.snapshot_every,
-            digests=settings.check_resume and settings.num_workers > 0,
-            rng_objects=settings.rng_objects,
-            exclude_rngs=settings.exclude_rngs,
-            state_protocol=settings.state_protocol,
+            options=settings.options,
+            digests=settings.options.check_resume and settings.num_workers > 0,
         )
         if settings.num_workers == 0:
             inline = InlineRunner(setup)
@@ -222,7 +219,7 @@ class SnapIterator:
             settings.context,
             processes=settings.num_workers,
             timeout_s=settings.timeout_s,
-            max_retries=settings.max_worker_retries,
+            max_retries=settings.options.max_worker_retries,
         )
         runner.census = settings.rng_census
         # NOTE [ shutdown under gc ]: a persistent iterator and its loader form a cycle.
@@ -285,7 +282,7 @@ class SnapIterator:
         turn = (slot + 1) % progress.slots if self.settings.iterable else progress.position.turn
         progress.advance(slot, result.snapshot, turn=turn, yielded=True)
         self._dispatch()
-        if self.settings.check_resume and self.runner is not None:
+        if self.settings.options.check_resume and self.runner is not None:
             # Results a worker finished while the training step ran are taken now, so
             # that the next checkpoint holds their digests (the resume self-check).
             self.runner.poll()

@@ -1,5 +1,7 @@
-"""What an iterator knows of its loader: the settings, built by the loader at each
-``iter()``. A copy, not the loader (see ``_epoch/iterator.py``'s docstring for why)."""
+"""What an iterator knows of its loader: torch's arguments as the loader resolved them
+and snaploader's own options (one :class:`~snaploader._state.options.Options` record),
+built by the loader at each ``iter()``. A copy, not the loader (see
+``_epoch/iterator.py``'s docstring for why)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 import torch
 
 from .._rng.objects import RngCensus
+from .._state.options import Options
 
 
 @dataclass(frozen=True)
@@ -32,15 +35,8 @@ class LoaderSettings:
     drop_last: bool
     collate_fn: Any
     worker_init_fn: Any
-    snapshot_every: int
-    replay: str
-    max_worker_retries: int
-    check_resume: bool = True
-    rng_objects: Any = None
-    exclude_rngs: Any = None
+    options: Options  # snaploader's own options, as the loader checked them
     rng_census: RngCensus | None = None
-    state_protocol: bool = True
-    logical_workers: int = 0  # the stream's worker count for a new epoch (_workers/process_main.py)
     in_order: bool = True  # False: yield each worker's batches as they come (_epoch/dispatch.py)
 
     @property

@@ -5,7 +5,8 @@ A checkpoint holds only dict (str keys), list, str, int, float, bool and None, s
 ``torch.load(weights_only=True)`` loads it. What a dataset's, iterator's or sampler's
 own ``state_dict()`` returns may hold more (bytes, tuples, tensors, int keys);
 :func:`encode` turns it into JSON-safe values with tagged dicts, and :func:`decode`
-gives the user's object back exactly as it was returned:
+gives the user's object back exactly as it was returned. Also the one conversion of a
+tensor to its raw bytes and back, which result messages and ``verify`` use too.
 
     bytes            {"__snaploader__": "bytes", "b64": ...}
     tuple            {"__snaploader__": "tuple", "items": [...]}
@@ -96,8 +97,7 @@ def encode(value: Any) -> Any:
     if isinstance(value, bytes):
         return {TAG: "bytes", "b64": b64(value)}
     if isinstance(value, torch.Tensor):
-        flat = value.detach().to("cpu").contiguous().reshape(-1)
-        raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        raw = tensor_bytes(value)
         return {
             TAG: "tensor",
             "dtype": str(value.dtype).removeprefix("torch."),
@@ -153,6 +153,18 @@ def _decode_tensor(value: dict[str, Any], where: str) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     if len(raw) != count * itemsize:
         raise ValueError(f"{where} holds {len(raw)} bytes for a {dtype} tensor of shape {shape}")
+    return tensor_from_bytes(raw, dtype, tuple(shape))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A dense tensor's raw bytes in element order. view(uint8) reads any dtype's bytes
+    (bfloat16 and bool included), which .numpy() would refuse for some."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor whose :func:`tensor_bytes` are ``raw`` (a copy: it owns its memory)."""
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)

@@ -117,11 +117,13 @@ class LoaderFacts:
     """What a checkpoint must agree with about the loader it is loaded into."""
 
     iterable: bool
-    slots: int  # logical worker slots of the epoch the checkpoint describes
     dataset_has_protocol: bool  # and the loader uses it (state_protocol)
     batches_per_epoch: int | None  # map-style, when the sampler has a length
     state_protocol: bool = True  # the loader's option of that name
     logical: int = 1  # the loader's logical worker count (for its new epochs)
+    # The logical worker slots of the epoch the checkpoint describes: read_state sets
+    # it from the checkpoint, which may have been taken with another count.
+    slots: int = 1
 
 
 def validate(state: Any) -> None:

@@ -9,7 +9,6 @@ generator an epoch's base seed and sampler draw from, in the main process.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -23,8 +22,10 @@ from .raw import (
     _pack_torch,
     _python_rng,
     check_mt_blob,
+    check_torch_state,
     pack_torch_state,
-    unpack_torch_state,
+    torch_state_bytes,
+    torch_state_tensor,
 )
 from .twist import check_code, expand, part_sizes
 
@@ -43,7 +44,6 @@ def _seed_parts(seed: bytes) -> tuple[bytes, bytes, bytes]:
     return _seed_cache[1]
 
 
-_TORCH_STATE_BYTES: Final = 5056
 _NAMES: Final = ("Python random", "NumPy", "torch")
 
 
@@ -77,20 +77,9 @@ def check_rng(blob: bytes, seeded: bool) -> None:
         if part < 2:
             check_mt_blob(stored, name)
         else:
-            _check_torch(stored)
+            check_torch_state(stored, "torch")
     if at != len(blob):
         raise ValueError(f"it has {len(blob) - at} bytes after its last state")
-
-
-def _check_torch(packed: bytes) -> None:
-    try:
-        state = unpack_torch_state(packed)
-        if len(state) != _TORCH_STATE_BYTES:
-            raise ValueError(f"{len(state)} bytes")
-        # torch range-checks the state it is given; a throwaway generator takes the blow.
-        torch.Generator().set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    except (ValueError, RuntimeError) as exc:
-        raise ValueError(f"its torch state is not one torch accepts ({exc})") from None
 
 
 # NOTE [ capture only what changed ]
@@ -104,14 +93,6 @@ def _check_torch(packed: bytes) -> None:
 _torch_get_state: Final = torch.default_generator.get_state  # torch.get_rng_state, less a call
 _last_torch: tuple[bytes, bytes] = (b"", b"")  # raw state, packed
 _last_encoding: tuple[bytes | None, bytes, bytes, bytes, bytes] = (None, b"", b"", b"", b"")
-
-
-def _tensor_bytes(state: torch.Tensor) -> bytes:
-    """The bytes of a torch CPU generator state (a uint8 tensor, as get_rng_state()
-    returns and set_rng_state() takes), in one copy."""
-    if state.dtype == torch.uint8 and state.is_contiguous():
-        return ctypes.string_at(state.data_ptr(), state.numel())
-    return state.numpy().tobytes()
 
 
 def _packed_torch(raw: bytes) -> bytes:
@@ -175,7 +156,7 @@ class NativeRng:
         torch.set_rng_state(self.torch)
 
     def encode(self) -> bytes:
-        return _encode(self.python, self.numpy, _packed_torch(_tensor_bytes(self.torch)), self.seed)
+        return _encode(self.python, self.numpy, _packed_torch(torch_state_bytes(self.torch)), self.seed)
 
     @staticmethod
     def decode(blob: bytes, seed: bytes | None) -> NativeRng:
@@ -197,7 +178,7 @@ class NativeRng:
             py, npb, torch_state = parts
         else:
             py, npb, torch_state = _parts(blob[1:])
-        tensor = torch.frombuffer(bytearray(unpack_torch_state(torch_state)), dtype=torch.uint8)
+        tensor = torch_state_tensor(torch_state)
         return NativeRng(py, npb, tensor, seed)
 
 
@@ -211,7 +192,7 @@ def capture_rng(seed: bytes | None = None) -> bytes:
     state is written as a flag, not 2.5 KB: most datasets draw from one generator or
     none, and their snapshots and checkpoints shrink accordingly.
     """
-    torch_raw = _tensor_bytes(_torch_get_state())
+    torch_raw = torch_state_bytes(_torch_get_state())
     return _encode(_python_rng.read(), _numpy_rng.read(), _packed_torch(torch_raw), seed)
 
 
@@ -247,7 +228,7 @@ class RngSource:
 
     def get_state(self) -> bytes:
         state = torch.get_rng_state() if self.generator is None else self.generator.get_state()
-        return pack_torch_state(state.numpy().tobytes())
+        return pack_torch_state(torch_state_bytes(state))
 
     @staticmethod
     def check_state(state: bytes) -> None:
@@ -255,7 +236,7 @@ class RngSource:
         check_rng(b"\x03" + state, seeded=True)  # the torch part alone
 
     def set_state(self, state: bytes) -> None:
-        tensor = torch.frombuffer(bytearray(unpack_torch_state(state)), dtype=torch.uint8)
+        tensor = torch_state_tensor(state)
         if self.generator is None:
             torch.set_rng_state(tensor)
         else:

@@ -3,10 +3,10 @@ bytes, and the encoding of a worker's object states that snapshots and checkpoin
 
 The kinds: ``random.Random`` (and subclasses), ``numpy.random.RandomState`` over
 MT19937, ``numpy.random.Generator`` and bare bit generators (MT19937, PCG64,
-PCG64DXSM, SFC64, Philox), and CPU ``torch.Generator``. Mersenne Twister states are
-copied raw, with the offsets ``_rng/capture.py`` verified at import (NOTE [ raw RNG access ]);
-MT19937 bit generators likewise, checked here against their public ``state`` at import;
-the other bit generators (a few dozen bytes) through their public ``state`` dict.
+PCG64DXSM, SFC64, Philox), and CPU ``torch.Generator``. Mersenne Twister states
+(``random.Random``, ``RandomState``, MT19937) are copied raw by ``_rng/raw.py``, with the
+layouts it verified at import (NOTE [ raw RNG access ]); the other bit generators (a few
+dozen bytes) go through their public ``state`` dict.
 
 Encoding (:func:`encode_entries`; little-endian), one record per object, in discovery
 order::
@@ -21,7 +21,6 @@ written into a generator.
 
 from __future__ import annotations
 
-import ctypes
 import random
 import struct
 from collections.abc import Callable
@@ -32,16 +31,18 @@ import numpy as np
 import torch
 
 from .raw import (
-    agree,
+    MT19937_BYTES,
     PY_STATE_BYTES,
     check_mt_blob,
+    check_torch_state,
     legacy_numpy_access,
+    mt19937_access,
     pack_torch_state,
     python_rng_access,
-    unpack_torch_state,
+    torch_state_bytes,
+    torch_state_tensor,
 )
 
-_MT_STATE_BYTES: Final = 625 * 4  # position first, then 624 words (as _rng/capture.py stores them)
 _HEAD = struct.Struct("<H")
 _KIND = struct.Struct("<BI")
 _PCG = struct.Struct("<QQQQBI")  # state lo, hi; increment lo, hi; has_uint32; uinteger
@@ -56,47 +57,6 @@ class Access(Protocol):
     def read(self) -> bytes: ...
 
     def write(self, blob: bytes) -> None: ...
-
-
-class _MT19937Raw:
-    # mt19937_state_t {uint32_t key[624]; int pos;}, as in _rng._NumpyRaw
-    def __init__(self, bit_generator: Any) -> None:
-        self.bit_generator = bit_generator  # keeps the struct alive
-        self.address = bit_generator.ctypes.state_address
-
-    def read(self) -> bytes:
-        raw = ctypes.string_at(self.address, _MT_STATE_BYTES)
-        return raw[-4:] + raw[:-4]
-
-    def write(self, blob: bytes) -> None:
-        ctypes.memmove(self.address, blob[4:], _MT_STATE_BYTES - 4)
-        ctypes.memmove(self.address + _MT_STATE_BYTES - 4, blob, 4)
-
-
-class _MT19937Public:
-    def __init__(self, bit_generator: Any) -> None:
-        self.bit_generator = bit_generator
-
-    def read(self) -> bytes:
-        state = self.bit_generator.state["state"]
-        return struct.pack("<i", state["pos"]) + state["key"].astype("<u4").tobytes()
-
-    def write(self, blob: bytes) -> None:
-        (pos,) = struct.unpack_from("<i", blob)
-        key = np.frombuffer(blob, dtype="<u4", offset=4).astype(np.uint32)
-        self.bit_generator.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": pos}}
-
-
-def _probe_mt19937() -> type[Access]:
-    try:
-        generator = np.random.Generator(np.random.MT19937(7))
-        fast, slow = _MT19937Raw(generator.bit_generator), _MT19937Public(generator.bit_generator)
-    except Exception:  # any surprise in the layout means: use the public API
-        return _MT19937Public
-    return _MT19937Raw if agree(fast, slow, lambda: generator.random(700)) else _MT19937Public
-
-
-_MT19937_ACCESS: Final = _probe_mt19937()
 
 
 def _split(value: int) -> tuple[int, int]:
@@ -168,18 +128,10 @@ class _TorchAccess:
         self.generator = generator
 
     def read(self) -> bytes:
-        return pack_torch_state(self.generator.get_state().numpy().tobytes())
+        return pack_torch_state(torch_state_bytes(self.generator.get_state()))
 
     def write(self, blob: bytes) -> None:
-        self.generator.set_state(torch.frombuffer(bytearray(unpack_torch_state(blob)), dtype=torch.uint8))
-
-
-def _check_torch(blob: bytes) -> None:
-    try:
-        # torch range-checks the state it is given; a throwaway generator takes the blow.
-        _TorchAccess(torch.Generator()).write(blob)
-    except (ValueError, RuntimeError) as exc:
-        raise ValueError(f"its torch.Generator state is not one torch accepts ({exc})") from None
+        self.generator.set_state(torch_state_tensor(blob))
 
 
 def _check_flag(has_uint32: int) -> None:
@@ -203,7 +155,7 @@ def _check_philox(blob: bytes) -> None:
 
 
 @dataclass(frozen=True)
-class Kind:
+class GeneratorKind:
     """One kind of generator object: its code in the encoding, the name users see, the
     exact state length (None: checked by ``check``), and the state check."""
 
@@ -213,25 +165,21 @@ class Kind:
     check: Callable[[bytes], None]
 
 
-def _check_none(blob: bytes) -> None:
-    return None
-
-
 KINDS: Final = {
     kind.code: kind
     for kind in (
-        Kind(1, "random.Random", PY_STATE_BYTES, lambda b: check_mt_blob(b, "random.Random")),
-        Kind(2, "numpy.random.RandomState", PY_STATE_BYTES, lambda b: check_mt_blob(b, "RandomState")),
-        Kind(3, "numpy MT19937", _MT_STATE_BYTES, lambda b: check_mt_blob(b + bytes(9), "MT19937")),
-        Kind(4, "numpy PCG64", _PCG.size, _check_pcg),
-        Kind(5, "numpy PCG64DXSM", _PCG.size, _check_pcg),
-        Kind(6, "numpy SFC64", _SFC.size, _check_sfc),
-        Kind(7, "numpy Philox", _PHILOX.size, _check_philox),
-        Kind(8, "torch.Generator", None, _check_torch),
+        GeneratorKind(1, "random.Random", PY_STATE_BYTES, lambda b: check_mt_blob(b, "random.Random")),
+        GeneratorKind(2, "numpy.random.RandomState", PY_STATE_BYTES, lambda b: check_mt_blob(b, "RandomState")),
+        GeneratorKind(3, "numpy MT19937", MT19937_BYTES, lambda b: check_mt_blob(b + bytes(9), "MT19937")),
+        GeneratorKind(4, "numpy PCG64", _PCG.size, _check_pcg),
+        GeneratorKind(5, "numpy PCG64DXSM", _PCG.size, _check_pcg),
+        GeneratorKind(6, "numpy SFC64", _SFC.size, _check_sfc),
+        GeneratorKind(7, "numpy Philox", _PHILOX.size, _check_philox),
+        GeneratorKind(8, "torch.Generator", None, lambda b: check_torch_state(b, "torch.Generator")),
     )
 }
 _BIT_GENERATORS: Final[dict[type, tuple[int, Callable[[Any], Access]]]] = {
-    np.random.MT19937: (3, _MT19937_ACCESS),
+    np.random.MT19937: (3, mt19937_access),
     np.random.PCG64: (4, _PCGAccess),
     np.random.PCG64DXSM: (5, _PCGAccess),
     np.random.SFC64: (6, _SFCAccess),

@@ -1,6 +1,7 @@
 """Raw access to Mersenne Twister states: Python's ``random.Random``, NumPy's legacy
 ``RandomState`` and torch's CPU generator, read and written as bytes in microseconds,
 with every layout verified against the public API at import (NOTE [ raw RNG access ]).
+Also a torch state's bytes, their packing and the check that torch accepts them.
 ``_rng/capture.py`` builds captures of the global generators on it, ``_rng/kinds.py`` those of
 generator objects."""
 
@@ -101,29 +102,55 @@ class _NumpySlow(_MTAccess):
         self.rng.set_state(("MT19937", keys, pos, has_gauss, gauss))
 
 
-class _NumpyRaw(_MTAccess):
-    # mt19937_state_t is {uint32_t key[624]; int pos;}; the legacy gaussian cache lives
-    # in RandomState's aug_bitgen_t {bitgen_t *; int has_gauss; double gauss;} at an
-    # offset found by _probe_numpy_gauss_offset. The addresses are fixed for the
-    # generator's lifetime (seeding and set_state write into the same structs), so they
-    # are looked up once: ``bit_generator.ctypes`` builds a new tuple on every access.
-    def __init__(self, rng: np.random.RandomState, gauss_offset: int) -> None:
-        self.rng = rng
-        self.bit_generator = rng._bit_generator  # keeps the state struct alive
-        state_address = self.bit_generator.ctypes.state_address
+class _MT19937Raw(_MTAccess):
+    # A numpy MT19937 bit generator's mt19937_state_t {uint32_t key[624]; int pos;}, read
+    # as position first (_NumpySlow's layout). The address is fixed for the generator's
+    # lifetime (seeding and set_state write into the same struct), so it is looked up
+    # once: ``bit_generator.ctypes`` builds a new tuple on every access.
+    def __init__(self, bit_generator: Any) -> None:
+        self.bit_generator = bit_generator  # keeps the state struct alive
+        state_address = bit_generator.ctypes.state_address
         self.keys = _memory(state_address, _MT_BYTES - 4)
         self.pos = _memory(state_address + _MT_BYTES - 4, 4)
-        self.has_gauss = ctypes.c_int.from_address(id(rng) + gauss_offset)
-        self.gauss = ctypes.c_double.from_address(id(rng) + gauss_offset + 8)
 
     def read(self) -> bytes:
-        # stored as pos first, to match _NumpySlow's layout
-        return self.pos.tobytes() + self.keys.tobytes() + _GAUSS.pack(self.has_gauss.value, self.gauss.value)
+        return self.pos.tobytes() + self.keys.tobytes()
 
     def write(self, blob: bytes) -> None:
         view = memoryview(blob)
         self.keys[:] = view[4:_MT_BYTES]
         self.pos[:] = view[:4]
+
+
+class _MT19937Public(_MTAccess):
+    def __init__(self, bit_generator: Any) -> None:
+        self.bit_generator = bit_generator
+
+    def read(self) -> bytes:
+        state = self.bit_generator.state["state"]
+        return struct.pack("<i", state["pos"]) + state["key"].astype("<u4").tobytes()
+
+    def write(self, blob: bytes) -> None:
+        (pos,) = struct.unpack_from("<i", blob)
+        key = np.frombuffer(blob, dtype="<u4", count=_MT_WORDS, offset=4).astype(np.uint32)
+        self.bit_generator.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": pos}}
+
+
+class _NumpyRaw(_MTAccess):
+    # A RandomState's MT19937 state (_MT19937Raw) and its legacy gaussian cache, which
+    # lives in RandomState's aug_bitgen_t {bitgen_t *; int has_gauss; double gauss;} at
+    # an offset found by _probe_numpy_gauss_offset.
+    def __init__(self, rng: np.random.RandomState, gauss_offset: int) -> None:
+        self.rng = rng
+        self.twister = _MT19937Raw(rng._bit_generator)  # type: ignore[attr-defined]
+        self.has_gauss = ctypes.c_int.from_address(id(rng) + gauss_offset)
+        self.gauss = ctypes.c_double.from_address(id(rng) + gauss_offset + 8)
+
+    def read(self) -> bytes:
+        return self.twister.read() + _GAUSS.pack(self.has_gauss.value, self.gauss.value)
+
+    def write(self, blob: bytes) -> None:
+        self.twister.write(blob)
         has_gauss, gauss = _GAUSS.unpack_from(blob, _MT_BYTES)
         self.has_gauss.value = has_gauss
         self.gauss.value = gauss
@@ -202,6 +229,18 @@ RAW_RNG_ACCESS: Final = isinstance(_python_rng, _PyRandomRaw) and isinstance(
 )
 
 
+def _probe_mt19937() -> type[_MTAccess]:
+    try:
+        generator = np.random.Generator(np.random.MT19937(7))
+        fast, slow = _MT19937Raw(generator.bit_generator), _MT19937Public(generator.bit_generator)
+    except Exception:  # any surprise in the layout means: use the public API
+        return _MT19937Public
+    return _MT19937Raw if agree(fast, slow, lambda: generator.random(700)) else _MT19937Public
+
+
+_MT19937_ACCESS: Final = _probe_mt19937()
+
+
 # torch's CPU generator state (5,056 bytes) keeps its 624 Mersenne Twister words as
 # 64-bit integers holding 32-bit values: half of it is zeros. Dropping them keeps a
 # checkpoint at 8 workers well under 64 KB. Same rule as NOTE [ raw RNG access ]: the
@@ -247,6 +286,35 @@ def _probe_torch_packing() -> bool:
 _TORCH_PACKED: Final = _probe_torch_packing()
 
 
+_TORCH_STATE_BYTES: Final = 5056
+
+
+def torch_state_bytes(state: torch.Tensor) -> bytes:
+    """The bytes of a torch CPU generator state (a uint8 tensor, as get_rng_state()
+    returns and set_rng_state() takes), in one copy."""
+    if state.dtype == torch.uint8 and state.is_contiguous():
+        return ctypes.string_at(state.data_ptr(), state.numel())
+    return state.numpy().tobytes()
+
+
+def torch_state_tensor(packed: bytes) -> torch.Tensor:
+    """The tensor set_rng_state() takes for a :func:`pack_torch_state` state."""
+    return torch.frombuffer(bytearray(unpack_torch_state(packed)), dtype=torch.uint8)
+
+
+def check_torch_state(packed: bytes, what: str) -> None:
+    """Raise ValueError unless ``packed`` (a :func:`pack_torch_state` state) is one torch
+    accepts; ``what`` names the generator in the message."""
+    try:
+        state = unpack_torch_state(packed)
+        if len(state) != _TORCH_STATE_BYTES:
+            raise ValueError(f"{len(state)} bytes")
+        # torch range-checks the state it is given; a throwaway generator takes the blow.
+        torch.Generator().set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    except (ValueError, RuntimeError) as exc:
+        raise ValueError(f"its {what} state is not one torch accepts ({exc})") from None
+
+
 def pack_torch_state(state: bytes) -> bytes:
     """A torch CPU generator state without its always-zero half (when verified)."""
     return _pack_torch(state) if _TORCH_PACKED else state
@@ -273,6 +341,15 @@ def legacy_numpy_access(rng: np.random.RandomState) -> _MTAccess:
         offset = ctypes.addressof(_numpy_rng.has_gauss) - id(_numpy_rng.rng)
         return _NumpyRaw(rng, offset)
     return _NumpySlow(rng)
+
+
+MT19937_BYTES: Final = _MT_BYTES  # a numpy MT19937 blob: position, then 624 words
+
+
+def mt19937_access(bit_generator: Any) -> _MTAccess:
+    """Access to a numpy MT19937 bit generator's state (position first, then its 624
+    words; no gaussian): raw, or failing the import-time probe, the public ``state``."""
+    return _MT19937_ACCESS(bit_generator)  # type: ignore[call-arg]
 
 
 def check_mt_blob(blob: bytes, what: str) -> None:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class Snapshot:
     """What a worker needs to produce its next batch, taken right after a batch.
 
-    ``rng`` holds the three global RNG states (``_rng.capture_rng``'s bytes, or for
+    ``rng`` holds the three global RNG states (``_rng/capture.py``'s ``capture_rng`` bytes, or for
     ``num_workers=0`` a :class:`~snaploader._rng.capture.NativeRng` that is encoded only when
     a checkpoint is taken). ``produced`` counts the batches this worker produced in the
     current epoch. ``data`` is the dataset's or iterator's ``state_dict()``

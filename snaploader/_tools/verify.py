@@ -58,7 +58,9 @@ _STDERR_TAIL_CHARS: Final = 2000
 
 
 @dataclass(frozen=True)
-class Options:
+class VerifyOptions:
+    """The command line of ``snaploader verify``, parsed."""
+
     target: str
     epochs: int
     max_batches: int
@@ -107,11 +109,11 @@ def _exit_words(code: int) -> str:
     return f"exited with code {code}"
 
 
-class Runner:
+class ChildRuns:
     """Starts the child runs, each in its own session so that a run and its workers can
     be killed together, and hands back their JSON results."""
 
-    def __init__(self, options: Options, folder: Path) -> None:
+    def __init__(self, options: VerifyOptions, folder: Path) -> None:
         self.options = options
         self.folder = folder
         self.count = 0
@@ -187,12 +189,12 @@ def _table(cuts: list[CutResult]) -> list[str]:
     return [f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]
 
 
-def verify(options: Options, out: TextIO, err: TextIO) -> int:
+def verify(options: VerifyOptions, out: TextIO, err: TextIO) -> int:
     """Run the check; print the report to ``out`` and progress to ``err``. Exit status."""
     progress = Progress(err)
     with tempfile.TemporaryDirectory(prefix="snaploader-verify-") as folder, \
             ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        runner = Runner(options, Path(folder))
+        runner = ChildRuns(options, Path(folder))
         try:
             return _verify_in(options, runner, pool, progress, out, err)
         except BaseException:
@@ -203,7 +205,7 @@ def verify(options: Options, out: TextIO, err: TextIO) -> int:
 
 
 def _verify_in(
-    options: Options, runner: Runner, pool: ThreadPoolExecutor, progress: Progress, out: TextIO, err: TextIO
+    options: VerifyOptions, runner: ChildRuns, pool: ThreadPoolExecutor, progress: Progress, out: TextIO, err: TextIO
 ) -> int:
     folder = str(runner.folder)
     epochs = f"{options.epochs} epoch{'s' if options.epochs != 1 else ''}"
@@ -251,7 +253,7 @@ def _verify_in(
 
     def again() -> dict[str, Any]:
         progress.step("a second uninterrupted run in a fresh process (PYTHONHASHSEED=0)")
-        return runner.run(rerun_job(runner), "rerun", "0")
+        return runner.run(rerun_job(folder), "rerun", "0")
 
     # The second uninterrupted run shares the pool with the resumed runs: it checks
     # determinism when all goes well, and starts the diagnosis when it does not.
@@ -260,7 +262,9 @@ def _verify_in(
     rerun = rerun_future.result()
     stable = rerun["ok"] and first_difference(reference["batches"], rerun["batches"]) is None
     failed = [c for c in results if c.difference is not None or c.error is not None]
-    source = "" if stable and not failed else diagnose_source(runner, reference, rerun, results, progress, pool)
+    source = "" if stable and not failed else diagnose_source(
+        reference, rerun, results, lambda seed: runner.run(rerun_job(folder), "rerun", seed), progress.step, pool
+    )
     progress.done()
     _report(options, reference, results, source, out)
     if source:
@@ -281,7 +285,7 @@ def _group_cuts(reference: dict[str, Any]) -> list[CutResult]:
     return list(by_position.values())
 
 
-def _skipped(options: Options, reference: dict[str, Any]) -> list[str]:
+def _skipped(options: VerifyOptions, reference: dict[str, Any]) -> list[str]:
     lines = []
     for text in options.cuts:
         cut = Cut.parse(text)
@@ -293,7 +297,7 @@ def _skipped(options: Options, reference: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _report(options: Options, reference: dict[str, Any], cuts: list[CutResult], source: str, out: TextIO) -> None:
+def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutResult], source: str, out: TextIO) -> None:
     lengths = reference["lengths"]
     shape = f"{lengths[0]} batches" if len(set(lengths)) == 1 else "/".join(map(str, lengths)) + " batches"
     workers = reference["num_workers"]
@@ -367,7 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds one run may take before it is killed (default 600)")
 
 
-def options_from(args: argparse.Namespace) -> Options:
+def options_from(args: argparse.Namespace) -> VerifyOptions:
     """Validated options; raises UsageError with what to change."""
     if args.timeout_s <= 0:
         raise UsageError(f"--timeout-s should be a positive number of seconds, got {args.timeout_s:g}")
@@ -382,7 +386,7 @@ def options_from(args: argparse.Namespace) -> Options:
     if ":" not in args.target:
         raise UsageError(f"target {args.target!r} should be MODULE:FACTORY, e.g. mypackage.data:make_loader "
                          "or path/to/pipeline.py:make_loader")
-    return Options(args.target, args.epochs, args.max_batches, texts, args.cuts is not None,
+    return VerifyOptions(args.target, args.epochs, args.max_batches, texts, args.cuts is not None,
                    args.kill_worker, args.jobs, args.timeout_s)
 
 

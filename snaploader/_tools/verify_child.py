@@ -187,10 +187,8 @@ def rebuild(loader: torch_data.DataLoader[Any], dataset: Any, collate_fn: Any) -
     custom_batches = loader.batch_size is None and loader.batch_sampler is not None
     shuffle, sampler = (None, None) if custom_batches else _torch_shuffle_and_sampler(loader)
     workers = loader.num_workers
-    own: dict[str, Any] = {}
-    if isinstance(loader, DataLoader):
-        own = {"snapshot_every": loader.snapshot_every, "replay": loader.replay,
-               "max_worker_retries": loader.max_worker_retries}
+    # snaploader's own options, all of them: a torch loader has none (the defaults).
+    own = loader.options.arguments() if isinstance(loader, DataLoader) else {}
     return DataLoader(
         dataset,
         batch_size=1 if custom_batches else loader.batch_size,

@@ -3,12 +3,10 @@ which part diverged and why (see ``_tools/verify.py``'s docstring for the runs i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
-
-if TYPE_CHECKING:
-    from .verify import Progress, Runner
+from typing import Any, Final
 
 Position = tuple[int, int | None]  # (epoch, batches consumed); None: the epoch ended
 
@@ -191,8 +189,9 @@ _RESUME_FAILED: Final = (
 )
 
 
-def rerun_job(runner: Runner) -> dict[str, Any]:
-    return {"mode": "reference", "cuts": [], "strict_cuts": False, "state_dir": str(runner.folder),
+def rerun_job(state_dir: str) -> dict[str, Any]:
+    """The job of an uninterrupted rerun (``_tools/verify_child.py``) that saves nothing."""
+    return {"mode": "reference", "cuts": [], "strict_cuts": False, "state_dir": state_dir,
             "kill_worker": False}
 
 
@@ -213,12 +212,13 @@ def _indices_note(changed: Difference) -> str:
 
 
 def diagnose_source(
-    runner: Runner, reference: dict[str, Any], rerun: dict[str, Any], cuts: list[CutResult],
-    progress: Progress, pool: ThreadPoolExecutor,
+    reference: dict[str, Any], rerun: dict[str, Any], cuts: list[CutResult],
+    run_again: Callable[[str], dict[str, Any]], step: Callable[[str], None], pool: ThreadPoolExecutor,
 ) -> str:
     """Where a difference comes from. ``rerun`` is a second uninterrupted run (made
     beside the resumed runs, with PYTHONHASHSEED=0); when it differs from the first,
-    two more tell nondeterminism, hash-seed dependence and changed data apart."""
+    two more (``run_again(hash_seed)``, run on ``pool``) tell nondeterminism, hash-seed
+    dependence and changed data apart. ``step`` reports progress."""
     if not rerun["ok"]:
         return f"an uninterrupted rerun failed, where the first did not:\n{rerun['error']['message']}"
     changed = first_difference(reference["batches"], rerun["batches"])
@@ -226,8 +226,8 @@ def diagnose_source(
         return _DATA_CHANGED.format(where=changed.where, same_indices=_indices_note(changed),
                                     evidence=_RESUMED_AGREE)
     if changed is not None:
-        progress.step("diagnosis: two more uninterrupted runs (PYTHONHASHSEED=0 and 1)")
-        same_seed, other_seed = pool.map(lambda seed: runner.run(rerun_job(runner), "rerun", seed), ["0", "1"])
+        step("diagnosis: two more uninterrupted runs (PYTHONHASHSEED=0 and 1)")
+        same_seed, other_seed = pool.map(run_again, ["0", "1"])
         for run in (same_seed, other_seed):
             if not run["ok"]:
                 return f"an uninterrupted rerun failed, where the first did not:\n{run['error']['message']}"

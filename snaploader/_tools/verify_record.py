@@ -11,6 +11,8 @@ from typing import Any, Final
 import numpy as np
 import torch
 
+from .._format.plain import tensor_bytes
+
 _INDEX_MARK: Final = "__snaploader_verify_indices__"
 
 
@@ -21,10 +23,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     plain = tensor.detach().cpu()
     if plain.is_sparse:
         plain = plain.to_dense()
-    flat = plain.contiguous().reshape(-1)
-    # view(uint8) reads any dtype's raw bytes (bfloat16 and bool included), which
-    # .numpy() would refuse for some.
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return tensor_bytes(plain)
 
 
 def leaf_digests(batch: Any) -> tuple[str, list[tuple[str, str]]]:

@@ -55,13 +55,13 @@ class InlineRunner(Runner):
     """The slots of a ``num_workers=0`` loader, run in this process."""
 
     def __init__(self, setup: WorkerSetup) -> None:
-        super().__init__(setup.num_workers)
+        super().__init__(setup.logical)
         slots = self.count
         self.runtimes = []
         for slot in range(slots):
             # Logical workers each get their own copy, as a worker process would; the
             # main-process contract uses the user's objects themselves.
-            own = setup if setup.num_workers == 0 else copy_setup(setup, fresh=True)
+            own = setup if setup.logical == 0 else copy_setup(setup, fresh=True)
             # NOTE [ collate in the main process ]: torch's default_collate allocates its
             # output in shared memory whenever get_worker_info() answers; here that would
             # hold an fd and /dev/shm space per live batch, so collate runs without it.
@@ -140,7 +140,7 @@ class InlineRunner(Runner):
     def own_epoch_start(self) -> Snapshot | None:
         runtime = self.runtimes[0]
         dataset = runtime.dataset
-        if not runtime.main_contract or not runtime.setup.state_protocol or not has_state_protocol(dataset):
+        if not runtime.main_contract or not runtime.setup.options.state_protocol or not has_state_protocol(dataset):
             return None
         if runtime.seed_rng is None:
             raise RuntimeError("the main-process slot was never initialized")

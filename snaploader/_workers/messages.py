@@ -31,6 +31,8 @@ from typing import Any, Final
 import cloudpickle
 import torch
 
+from .._format.plain import tensor_bytes, tensor_from_bytes
+from .._state.options import Options
 from .._state.records import Snapshot
 
 
@@ -53,13 +55,13 @@ class WorkerSetup:
     drop_last: bool
     collate_fn: Callable[[Any], Any]
     worker_init_fn: Callable[[int], None] | None
-    num_workers: int
+    # The logical worker count of the epoch the workers start for: what get_worker_info()
+    # reports as num_workers (0: the main-process contract). A resumed checkpoint's count
+    # may differ from options.logical_workers, which is for new epochs.
+    logical: int
     base_seed: int
-    state_every: int
+    options: Options = Options()
     digests: bool = False  # send each batch's digest (the resume self-check)
-    rng_objects: Callable[[], Any] | None = None  # DataLoader(rng_objects=...)
-    exclude_rngs: Any = None  # DataLoader(exclude_rngs=...): paths or a predicate
-    state_protocol: bool = True  # False: ignore the dataset's and iterator's state_dict()
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +137,6 @@ _BY_VALUE_MAX_BYTES: Final = 256 * 1024
 _FDS: Final = struct.Struct("<I")
 
 
-def _tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-
-
 class _ResultPickler(ForkingPickler):
     shared = 0  # tensors sent through shared memory: each is an fd in the receiver
 
@@ -160,9 +156,7 @@ class _ResultPickler(ForkingPickler):
             and not obj.requires_grad
             and obj.nbytes <= _BY_VALUE_MAX_BYTES
         ):
-            flat = obj.detach().contiguous().reshape(-1)
-            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-            return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
+            return tensor_from_bytes, (tensor_bytes(obj), obj.dtype, tuple(obj.shape))
         self.shared += 1
         return NotImplemented
 

@@ -1,7 +1,7 @@
 """Start, watch and stop worker processes. Knows nothing of datasets.
 
 ```
- main process                               worker slot w
+ main process                               worker process i
   WorkerProcess.task   ── task pipe ──────►  worker_main(...)
   WorkerProcess.result ◄── result pipe ────
   WorkerProcess.process.sentinel  (readable once the process has exited)
@@ -23,7 +23,7 @@
   received from snaploader workers (fds and mappings, which would otherwise pin that
   memory for the worker's lifetime). Everything else, the dataset's own files
   included, is left alone.
-- :class:`FetchMarks`: one int per slot in shared memory that the worker sets to the
+- :class:`FetchMarks`: one int per process in shared memory that the worker sets to the
   key of the task it is fetching and clears after, so that the main process knows,
   when a worker has died, whether it died fetching a batch (which then counts against
   that batch) or idle, starting up or restoring (which never does).
@@ -89,8 +89,8 @@ def remove_shm_left_by(pid: int) -> None:
 
 
 class FetchMarks:
-    """One int64 per worker slot, shared with the workers: the key of the task the
-    slot's worker is fetching, or :attr:`IDLE`.
+    """One int64 per worker process (by its index in the pool), shared with the workers:
+    the key of the task that process is fetching, or :attr:`IDLE`.
 
     A worker writes it right before and right after each fetch (two stores into shared
     memory, well under a microsecond a batch); the main process reads it only after the
@@ -118,9 +118,9 @@ class FetchMarks:
         if fd is None:
             # Only the main process's own copy starts all idle. A worker attaching must
             # not: its siblings may be fetching, and their marks say what a death is
-            # blamed on. Pool.start() marks a slot idle before starting its process.
-            for slot in range(count):
-                self._view[slot] = self.IDLE
+            # blamed on. Pool.start() marks a process idle before starting it.
+            for index in range(count):
+                self._view[index] = self.IDLE
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only while a spawn or forkserver worker is being started: DupFd then hands
@@ -129,12 +129,12 @@ class FetchMarks:
             raise TypeError("fork-only FetchMarks cannot be sent to another process")
         return _attach_marks, (reduction.DupFd(self.fd), self.count)
 
-    def set(self, slot: int, key: int) -> None:
+    def set(self, index: int, key: int) -> None:
         if self._view is not None:
-            self._view[slot] = key
+            self._view[index] = key
 
-    def get(self, slot: int) -> int:
-        return self.IDLE if self._view is None else int(self._view[slot])
+    def get(self, index: int) -> int:
+        return self.IDLE if self._view is None else int(self._view[index])
 
     def close(self) -> None:
         if self._view is not None:
@@ -224,7 +224,7 @@ def _replace_shm_mappings(pids: frozenset[int]) -> None:
 
 @dataclass
 class WorkerProcess:
-    slot: int
+    index: int  # its place in the pool (a respawn takes the place of the dead one)
     process: multiprocessing.process.BaseProcess
     task: Connection  # main's sending end
     result: Connection  # main's receiving end
@@ -234,7 +234,7 @@ class WorkerProcess:
     def pid(self) -> int:
         pid = self.process.pid
         if pid is None:
-            raise RuntimeError(f"worker slot {self.slot}'s process was never started")
+            raise RuntimeError(f"worker process {self.index} was never started")
         return pid
 
     def send(self, msg: Any) -> None:
@@ -246,26 +246,27 @@ class WorkerProcess:
 
 
 class Pool:
-    """A fixed number of worker slots, each holding at most one live process.
+    """A fixed number of places for worker processes (by index), each holding at most
+    one live process.
 
-    ``target(*make_args(slot), task_conn, result_conn, parent_pid, inherited, marks)``
+    ``target(*make_args(index), task_conn, result_conn, parent_pid, inherited, marks)``
     is the worker's entry point; it calls :func:`release_inherited` with ``inherited``.
     """
 
     def __init__(
         self,
         context: BaseContext,
-        num_slots: int,
+        count: int,
         target: Callable[..., None],
         make_args: Callable[[int], tuple[Any, ...]],
     ) -> None:
         self.context = context
         self.target = target
         self.make_args = make_args
-        self.workers: list[WorkerProcess | None] = [None] * num_slots
+        self.workers: list[WorkerProcess | None] = [None] * count
         self.owner_pid = os.getpid()
         self._fork = context.get_start_method() == "fork"
-        self.marks = FetchMarks(num_slots, shareable=not self._fork)
+        self.marks = FetchMarks(count, shareable=not self._fork)
         _POOLS.add(self)
         if self._fork:
             # Forked workers then share the parent's temporary directory (used for the
@@ -273,10 +274,10 @@ class Pool:
             # one that a SIGKILL would leave behind.
             multiprocessing.util.get_temp_dir()
 
-    def start(self, slot: int) -> WorkerProcess:
-        """Start a new process in ``slot`` (the slot must be empty)."""
-        if self.workers[slot] is not None:
-            raise RuntimeError(f"worker slot {slot} still holds a process; discard it first")
+    def start(self, index: int) -> WorkerProcess:
+        """Start worker process ``index`` (its place must be empty)."""
+        if self.workers[index] is not None:
+            raise RuntimeError(f"worker process {index} is still there; discard it first")
         task_recv, task_send = self.context.Pipe(duplex=False)
         result_recv, result_send = self.context.Pipe(duplex=False)
         _widen_pipe(task_send)
@@ -287,20 +288,20 @@ class Pool:
                 if pool.owner_pid == os.getpid():
                     fds += pool.pipe_fds()
             inherited = Inherited(tuple(fds), frozenset(_WORKER_PIDS))
-        self.marks.set(slot, FetchMarks.IDLE)
-        process = self.context.Process(  # type: ignore[attr-defined]
+        self.marks.set(index, FetchMarks.IDLE)
+        child = self.context.Process(  # type: ignore[attr-defined]
             target=self.target,
-            args=(*self.make_args(slot), task_recv, result_send, os.getpid(), inherited, self.marks),
+            args=(*self.make_args(index), task_recv, result_send, os.getpid(), inherited, self.marks),
             daemon=True,
-            name=f"snaploader-worker-{slot}",
+            name=f"snaploader-worker-{index}",
         )
         try:
-            process.start()
+            child.start()
         finally:
             task_recv.close()
             result_send.close()
-        worker = WorkerProcess(slot, process, task_send, result_recv)
-        self.workers[slot] = worker
+        worker = WorkerProcess(index, child, task_send, result_recv)
+        self.workers[index] = worker
         _WORKER_PIDS.add(worker.pid)
         return worker
 
@@ -319,13 +320,13 @@ class Pool:
         self, timeout_s: float | None, skip: Collection[int] = ()
     ) -> tuple[list[WorkerProcess], list[WorkerProcess]]:
         """Block until a result pipe is readable or a process has exited, or
-        ``timeout_s`` passes; the result pipes of the slots in ``skip`` are not waited
+        ``timeout_s`` passes; the result pipes of the processes in ``skip`` are not waited
         on (their sentinels are). Returns (workers with results, workers that exited);
         a caller that replaces a worker must ignore the replaced one's later entries."""
         handles: dict[Any, tuple[WorkerProcess, bool]] = {}
         for worker in self.workers:
             if worker is not None:
-                if worker.slot not in skip:
+                if worker.index not in skip:
                     handles[worker.result] = (worker, True)
                 handles[worker.process.sentinel] = (worker, False)
         ready = wait(list(handles), timeout_s)
@@ -334,19 +335,19 @@ class Pool:
         return readable, exited
 
     def holds(self, worker: WorkerProcess) -> bool:
-        """True while ``worker`` is the live process of its slot."""
-        return self.workers[worker.slot] is worker
+        """True while ``worker`` is the live process at its index."""
+        return self.workers[worker.index] is worker
 
-    def discard(self, slot: int) -> WorkerProcess:
-        """Forget the (dead) process in ``slot`` and close its pipes."""
-        worker = self.workers[slot]
+    def discard(self, index: int) -> WorkerProcess:
+        """Forget the (dead) worker process ``index`` and close its pipes."""
+        worker = self.workers[index]
         if worker is None:
-            raise RuntimeError(f"worker slot {slot} holds no process to discard")
+            raise RuntimeError(f"worker process {index} is not there to discard")
         worker.process.join(_KILL_TIMEOUT_S)
         if worker.process.exitcode not in (None, 0):
             remove_shm_left_by(worker.pid)
         worker.close_pipes()
-        self.workers[slot] = None
+        self.workers[index] = None
         return worker
 
     def shutdown(self) -> None:

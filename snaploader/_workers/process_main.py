@@ -7,7 +7,7 @@ state, and an iterable's round-robin runs over the W logical workers. W is the
 ``num_workers`` the epoch started with (or ``DataLoader(logical_workers=...)``). How many
 processes host them is free: a checkpoint taken with W logical workers resumes in a
 loader built with any ``num_workers``, each process hosting the logical workers
-``w`` with ``w % processes == its slot`` (``_workers/process_runner.py``), and the main process
+``w`` with ``w % processes`` equal to its index (``_workers/process_runner.py``), and the main process
 hosting them all at ``num_workers=0`` (``_workers/inline_runner.py``).
 
 A process hosting several logical workers keeps, for each, what a worker process of its
@@ -112,17 +112,17 @@ class Host:
 
 def worker_main(
     setup: WorkerSetup | bytes,
-    slot: int,
+    process: int,
     hosted: tuple[int, ...],
-    slots: int,
+    logical: int,
     task_conn: Connection,
     result_conn: Connection,
     parent_pid: int,
     inherited: Inherited,
     marks: FetchMarks,
 ) -> None:
-    """Entry point of a worker process hosting the logical workers ``hosted`` of
-    ``slots`` (see the module docstring for the protocol)."""
+    """Entry point of worker process ``process`` (its index in the pool), hosting the
+    logical workers ``hosted`` of ``logical`` (see the module docstring for the protocol)."""
     # Ctrl-C reaches the whole process group; the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Under fork: the main process's pipe ends and received batches (NOTE [ inherited fds ]).
@@ -182,9 +182,9 @@ def worker_main(
             runtime.resume(msg)
             continue
         # Only a death between these two marks counts against this batch (_workers/process_runner.py).
-        marks.set(slot, fetch_mark(msg.key, worker, slots))
+        marks.set(process, fetch_mark(msg.key, worker, logical))
         result = runtime.run(msg)
-        marks.set(slot, FetchMarks.IDLE)
+        marks.set(process, FetchMarks.IDLE)
         drain()  # so the main process never blocks sending us a task while we send
         try:
             result_conn.send_bytes(dumps_result(result))
@@ -199,7 +199,7 @@ def worker_main(
         del result, msg, entry
 
 
-def fetch_mark(key: int, worker: int, slots: int) -> int:
-    """The fetch mark of logical worker ``worker``'s task ``key`` (iterable keys repeat
-    across logical workers; marks must not)."""
-    return key * slots + worker
+def fetch_mark(key: int, worker: int, logical: int) -> int:
+    """The fetch mark of logical worker ``worker``'s task ``key``, of ``logical`` logical
+    workers (iterable keys repeat across logical workers; marks must not)."""
+    return key * logical + worker

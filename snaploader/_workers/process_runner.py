@@ -11,7 +11,7 @@
                     (NOTE [ poison batch ], NOTE [ restart storms ])
 ```
 
-Runner slots are logical workers; pool slots are processes (NOTE [ logical workers ] in
+Slots are logical workers; the pool's processes go by index (NOTE [ logical workers ] in
 ``_workers/process_main.py``): logical worker ``w`` lives in process ``w % processes``. A process
 answers its tasks in the order they were sent, whatever logical worker they are for,
 so ``order[process]`` (the logical worker of each unanswered task, oldest first) says
@@ -97,7 +97,7 @@ class ProcessRunner(Runner):
         timeout_s: float,
         max_retries: int,
     ) -> None:
-        super().__init__(setup.num_workers)
+        super().__init__(setup.logical)
         count = self.count
         self.processes = max(1, min(processes, count))
         self.hosted = [tuple(range(p, count, self.processes)) for p in range(self.processes)]
@@ -263,7 +263,7 @@ class ProcessRunner(Runner):
         """Accept, in order, the complete results waiting in ``worker``'s pipe (all of
         them when ``whole``, else within the fd budget); return how many could not be
         read (``lost`` of them before this call)."""
-        order = self.order[worker.slot]
+        order = self.order[worker.index]
         try:
             while worker.result.poll():  # also True at end-of-file: recv_bytes raises then
                 slot = order[0] if order else -1
@@ -273,7 +273,7 @@ class ProcessRunner(Runner):
                 worker.messages += 1
                 if slot < 0:
                     raise RuntimeError(
-                        f"worker process {worker.slot} sent a result no task asked for; "
+                        f"worker process {worker.index} sent a result no task asked for; "
                         "the worker protocol is broken (please report this)"
                     )
                 state = self.slots[slot]
@@ -290,7 +290,7 @@ class ProcessRunner(Runner):
                 except Exception:
                     lost += 1
                     continue
-                self.storm[worker.slot] = 0
+                self.storm[worker.index] = 0
                 fds = fds_of(blob) if result.kind is Kind.BATCH else 0
                 before = len(state.received)
                 order.popleft()
@@ -319,7 +319,7 @@ class ProcessRunner(Runner):
     def _on_death(self, worker: WorkerProcess, lost: int = 0) -> None:
         if not self.pool.holds(worker):
             return  # already handled (seen both as a broken pipe and as a sentinel)
-        process = worker.slot
+        process = worker.index
         lost = self._drain(worker, lost, None, whole=True)  # keep every complete result it sent
         if worker.process.is_alive():
             worker.process.kill()

@@ -1,9 +1,12 @@
-"""What the iterator drives: W worker slots that take tasks and give results in order.
+"""What the iterator drives: W slots, one per logical worker, that take tasks and give
+results in order. A slot is always a logical worker; worker processes go by their
+index in the pool (``_workers/pool.py``), and one may host several slots.
 
 Two implementations share this interface, so the iterator has no special case for
-``num_workers=0``: :class:`~snaploader._workers.process_runner.ProcessRunner` (worker processes,
-``_workers/process_runner.py``) and :class:`~snaploader._workers.inline_runner.InlineRunner` (one slot run in the
-main process, ``_workers/inline_runner.py``).
+``num_workers=0``: :class:`~snaploader._workers.process_runner.ProcessRunner` (worker
+processes, ``_workers/process_runner.py``) and
+:class:`~snaploader._workers.inline_runner.InlineRunner` (the slots run in the main
+process, ``_workers/inline_runner.py``).
 
 Per slot, this epoch: ``outstanding`` tasks were sent and not answered; ``received``
 answers wait to be yielded. Answers are accepted strictly in the order the tasks were

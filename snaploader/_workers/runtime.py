@@ -1,10 +1,11 @@
-"""What runs in a worker: seeding like torch, fetching like torch, the snapshot after
-every batch, and the worker process's loop.
+"""One logical worker's work: seeding like torch, positioning for an epoch (a
+:class:`Resume`), fetching like torch, and the snapshot after every batch.
 
 One :class:`WorkerRuntime` is one *logical* worker (NOTE [ logical workers ] in
-``_workers/process_main.py``): the process loop that hosts one or more of them is in ``_workers/process_main.py``. The
-same class also runs in the main process for ``num_workers=0`` (``_workers/inline_runner.py``), with
-the main process's RNG states swapped out around each call.
+``_workers/process_main.py``, which holds the worker process's loop that hosts one or
+more of them). The same class also runs in the main process for ``num_workers=0``
+(``_workers/inline_runner.py``), with the main process's RNG states swapped out around
+each call.
 
 A loader of 0 logical workers (``num_workers=0``) keeps torch's contract: its single
 runtime reports ``get_worker_info() is None``, runs no ``worker_init_fn`` and uses the
@@ -50,7 +51,7 @@ class WorkerRuntime:
     """Produces the batches of one logical worker and the snapshot after each.
 
     ``setup`` is this logical worker's own (a host gives each one it holds a copy, as
-    each torch worker process has its own); ``setup.num_workers`` is the logical worker
+    each torch worker process has its own); ``setup.logical`` is the logical worker
     count, 0 for the main-process contract (see the module docstring)."""
 
     def __init__(self, setup: WorkerSetup, worker_id: int, *, in_main_process: bool) -> None:
@@ -60,7 +61,7 @@ class WorkerRuntime:
         # In the main process a state_dict() may alias live objects, so it is copied;
         # and RNG states are kept unencoded, for the cheap swap around every batch.
         self.in_main_process = in_main_process
-        self.main_contract = setup.num_workers == 0
+        self.main_contract = setup.logical == 0
         self.info: torch_worker.WorkerInfo | None = None
         self.pending_error: WorkerError | None = None
         self.iterator: Iterator[Any] | None = None
@@ -85,7 +86,7 @@ class WorkerRuntime:
             return
         self.info = torch_worker.WorkerInfo(
             id=self.worker_id,
-            num_workers=self.setup.num_workers,
+            num_workers=self.setup.logical,
             seed=seed,
             dataset=self.dataset,
         )
@@ -106,7 +107,7 @@ class WorkerRuntime:
         if self.iterator is not None:
             roots.append(("iterator", self.iterator))
         try:
-            self.objects = ObjectRngs.find(roots, setup.rng_objects, setup.exclude_rngs)
+            self.objects = ObjectRngs.find(roots, setup.options.rng_objects, setup.options.exclude_rngs)
         except Exception as exc:  # rng_objects() or an exclude_rngs predicate raised
             self.objects = ObjectRngs([], [])
             self.pending_error = self.pending_error or WorkerError.capture(exc)
@@ -268,7 +269,7 @@ class WorkerRuntime:
         rng = self._capture_rng()
         objects, report = self.objects_now = self.objects.snapshot()
         owner: str | None = None
-        if not setup.state_protocol:
+        if not setup.options.state_protocol:
             pass  # the user chose replay over the dataset's own protocol
         elif setup.iterable and has_state_protocol(self.iterator):
             owner = "iterator"
@@ -278,7 +279,7 @@ class WorkerRuntime:
         # fetcher never calls next() again after that, so neither may a restored worker.
         exhausted = self.exhausted or self.ended
         if setup.iterable:
-            due = exhausted or self.produced % setup.state_every == 0
+            due = exhausted or setup.options.state_due(self.produced)
             if owner is None or not due:
                 # data_owner without data: a replay from an earlier snapshot of a
                 # stateful dataset (snapshot_every > 1), not one for want of the protocol

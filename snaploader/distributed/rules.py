@@ -1,6 +1,6 @@
 """The bookkeeping of a world-size change, pure: which old ranks' checkpoints make a
 world, which logical ranks a new rank hosts, and which samples each new rank reads
-for the rest of an interrupted epoch. No loader is built here (``distributed.py``).
+for the rest of an interrupted epoch. No loader is built here (``distributed/resharded.py``).
 
 A *world* is the N checkpoints of one N-rank run, taken at one step, each from a
 loader over torch's ``DistributedSampler(num_replicas=N, rank=r)``; its fingerprint's

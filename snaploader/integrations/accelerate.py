@@ -42,7 +42,7 @@ import json
 import os
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -56,22 +56,17 @@ from torch.utils.data.distributed import DistributedSampler
 from ..distributed.dcp import state_from_json
 from .._errors import CheckpointFormatError
 from .._loader import DataLoader
+from .._state.options import Options
 
-# snaploader's keyword-only options (and torch's) that the sharded copy carries over;
-# snapshot_every_n_steps is an alias of snapshot_every, which carries its value.
+# torch's keyword-only arguments and snaploader's own options (all of them: the fields of
+# Options) that the sharded copy carries over; snapshot_every_n_steps is an alias of
+# snapshot_every, which carries its value.
 _CARRIED_OPTIONS = (
     "prefetch_factor",
     "persistent_workers",
     "pin_memory_device",
     "in_order",
-    "snapshot_every",
-    "replay",
-    "max_worker_retries",
-    "check_resume",
-    "rng_objects",
-    "exclude_rngs",
-    "state_protocol",
-    "logical_workers",
+    *(field.name for field in fields(Options)),
 )
 _ALIASES = ("snapshot_every_n_steps",)
 

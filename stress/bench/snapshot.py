@@ -38,9 +38,8 @@ def _snapshot_child(conn: Any, name: str, batch_size: int, compute_rounds: int, 
             drop_last=False,
             collate_fn=default_collate,
             worker_init_fn=None,
-            num_workers=2,
+            logical=2,
             base_seed=12345,
-            state_every=1,
         )
         runtime = WorkerRuntime(setup, 0, in_main_process=False)
         runtime.initialize()
