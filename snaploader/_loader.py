@@ -321,7 +321,6 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 batches = None  # a sampler without __len__
         return LoaderFacts(
             iterable=self._iterable,
-            slots=max(1, self.logical_workers),
             logical=self.logical_workers,
             dataset_has_protocol=self.state_protocol and has_state_protocol(self.dataset),
             state_protocol=self.state_protocol,

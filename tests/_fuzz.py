@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import snaploader
-from snaploader._format import schema as _layout
+from snaploader._format.checkpoint import resign
 
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream
@@ -153,9 +153,7 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     rng_words = path[-1] in ("rng", "rng_start", "rng_next")
     if not users and not rng_words and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
-            mutant["digest"] = _layout.digest_of(
-                mutant, [_layout.sha256_of(w) for w in mutant["workers"]]
-            )
+            mutant["digest"] = resign(mutant)["digest"]
             what += " (re-signed)"
         except Exception:
             pass

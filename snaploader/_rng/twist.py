@@ -63,6 +63,10 @@ from .raw import (
 # are never slow; its states are stored raw until the bound is walked.
 MAX_TWISTS: Final = 2**16
 SEARCH_BUDGET_S: Final = 0.1
+# All of one checkpoint's codes together: about 1.5 s of replay. A state_dict() codes a
+# state only while the checkpoint's total stays within it (the others stay raw), and a
+# load refuses more before replaying any (NOTE [ checkpoint limits ] in _format/checkpoint.py).
+LOAD_TWISTS: Final = 2**20
 _MT_WORDS: Final = 624
 _WORDS_BYTES: Final = _MT_WORDS * 4
 _CHUNK_TWISTS: Final = 256  # twists generated per NumPy call while searching (1.3 MB)
@@ -214,10 +218,19 @@ def _parts(blob: bytes, seed: tuple[bytes, bytes, bytes]) -> list[bytes]:
     return parts
 
 
-def compact(blob: bytes, base_seed: int, worker_id: int, deadline: float = float("inf")) -> bytes:
+class TwistBudget:
+    """The twists one checkpoint's codes may still add up to (:data:`LOAD_TWISTS`)."""
+
+    def __init__(self, left: int = LOAD_TWISTS) -> None:
+        self.left = left
+
+
+def compact(
+    blob: bytes, base_seed: int, worker_id: int, deadline: float = float("inf"), budget: TwistBudget | None = None
+) -> bytes:
     """``blob`` (a ``capture_rng`` blob of worker ``worker_id`` seeded from
     ``base_seed``) with each moved state found near its seed, before ``deadline``
-    (``time.monotonic()``), written as a code."""
+    (``time.monotonic()``), written as a code, while ``budget`` lasts."""
     flags = blob[0]
     if (flags & 0b111) == 0b111 or flags >> _CODED_SHIFT:
         return blob  # nothing moved, or already compact
@@ -233,6 +246,11 @@ def compact(blob: bytes, base_seed: int, worker_id: int, deadline: float = float
         if _codable(part) and len(raw) == _PART_BYTES[part]:
             with _paths_lock:
                 twists = _path(base_seed, worker_id, part, seed[part]).find(words, deadline)
+        if twists is not None and budget is not None:
+            if twists > budget.left:
+                twists = None  # stored raw: the checkpoint's codes are at their bound
+            else:
+                budget.left -= twists
         if twists is None:
             kept.append(raw)
             continue
@@ -253,6 +271,45 @@ def _path(base_seed: int, worker_id: int, part: int, seed_part: bytes) -> _Path:
         if len(_paths) > 96:  # 32 workers' three generators
             _paths.popitem(last=False)
     return path
+
+
+def has_codes(blob: bytes) -> bool:
+    return blob[0] >> _CODED_SHIFT != 0
+
+
+def code_twists(blob: bytes) -> int:
+    """The twists the codes of ``blob`` (checked by ``check_rng``) ask to replay."""
+    flags, at, total = blob[0], 1, 0
+    for part, size in enumerate(part_sizes(flags)):
+        if size is None:
+            continue
+        if flags & (1 << (_CODED_SHIFT + part)):
+            total += _HEAD.unpack_from(blob, at)[0]
+        at = len(blob) if size < 0 else at + size
+    return total
+
+
+def expand_for(blob: bytes, base_seed: int, worker_id: int) -> bytes:
+    """``blob`` of worker ``worker_id`` seeded from ``base_seed`` with its codes
+    replayed (in the main process, once per load); ValueError when a code's CRC says it
+    belongs to another seed state. Each state found is remembered on its path, so the
+    next ``state_dict()`` writes the same code again without a search."""
+    if blob[0] >> _CODED_SHIFT == 0:
+        return blob
+    seed = seed_state(base_seed, worker_id)
+    out = expand(blob, seed)
+    flags, coded = blob[0], blob[0] >> _CODED_SHIFT
+    parts = _parts(out, seed)
+    with _paths_lock:
+        for part in range(3):
+            if coded & (1 << part) and not flags & (1 << part):
+                words = parts[part][_WORDS_AT[part] : _WORDS_AT[part] + _WORDS_BYTES]
+                twists = _HEAD.unpack_from(_parts(blob, seed)[part])[0]
+                path = _path(base_seed, worker_id, part, seed[part])
+                path.found[words] = twists
+                if len(path.found) > 8:
+                    path.found.popitem(last=False)
+    return out
 
 
 def expand(blob: bytes, seed: tuple[bytes, bytes, bytes]) -> bytes:
