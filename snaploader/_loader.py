@@ -12,6 +12,7 @@ from typing import Any, Final, TypeVar
 import torch
 import torch.utils.data as torch_data
 
+from ._format.checkpoint import MAX_LOGICAL_WORKERS
 from ._format.codec import build_state, read_state
 from ._format.fingerprint import Fingerprint, fingerprint_of
 from ._format.schema import LoaderFacts
@@ -180,10 +181,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self.state_protocol = state_protocol
         if logical_workers is None:
             logical_workers = num_workers
-        if not isinstance(logical_workers, int) or isinstance(logical_workers, bool) or logical_workers < 0:
+        if type(logical_workers) is not int or not 0 <= logical_workers <= MAX_LOGICAL_WORKERS:
             raise ValueError(
-                f"logical_workers should be an int >= 0 (the worker count that defines the "
-                f"stream) or None for num_workers; got {logical_workers!r}"
+                f"logical_workers should be an int from 0 to {MAX_LOGICAL_WORKERS} (the worker "
+                f"count that defines the stream) or None for num_workers; got {logical_workers!r}"
             )
         if logical_workers == 0 and num_workers > 0:
             raise ValueError(

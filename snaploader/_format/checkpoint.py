@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
+from .plain import nested_deeper
+from .._errors import CheckpointFormatError, StateNotPlainDataError
 from .._state.ledger import WorkerLedger
 
 FORMAT: Final = "snaploader"
@@ -36,6 +38,8 @@ SAME_AS_YIELDED: Final = "same as yielded"
 # writer never writes more, storing the rest raw). A dataset whose own state_dict() is
 # nested deeper than MAX_DEPTH is refused when the checkpoint is made, not when it loads.
 MAX_DEPTH: Final = 100
+# A user's state sits this deep in a checkpoint at most (workers, ledger, snapshot, data).
+_USER_DEPTH: Final = MAX_DEPTH - 8
 MAX_LOGICAL_WORKERS: Final = 1024
 
 
@@ -126,6 +130,43 @@ def digest_of(state: dict[str, Any], ledger_digests: list[str]) -> str:
     body = {key: value for key, value in state.items() if key != "digest"}
     body["workers"] = ledger_digests
     return "sha256:" + sha256_of(body)
+
+
+def check_depth(value: Any, where: str = "loader state") -> None:
+    """Raise :class:`CheckpointFormatError` when ``value`` nests dicts and lists deeper
+    than ``MAX_DEPTH``. Iterative: it must not itself hit the recursion limit."""
+    if nested_deeper(value, MAX_DEPTH):
+        raise CheckpointFormatError(
+            f"{where} nests dicts and lists more than {MAX_DEPTH} deep, which snaploader never "
+            "writes; it was crafted or corrupted"
+        )
+
+
+def check_digest(state: dict[str, Any], where: str = "loader state") -> None:
+    """Raise unless ``state['digest']`` is the digest of the rest (``state`` has a
+    ``workers`` list and a depth already checked)."""
+    workers = state.get("workers")
+    try:
+        expected = digest_of(state, [sha256_of(ledger) for ledger in workers] if isinstance(workers, list) else [])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointFormatError(f"{where} holds something that is not plain data ({exc})") from None
+    if state.get("digest") != expected:
+        raise CheckpointFormatError(
+            f"{where}['digest'] "
+            "does not match the state's contents: the checkpoint was modified or corrupted "
+            "after state_dict() made it. Load an unmodified checkpoint",
+        )
+
+
+def check_user_depth(encoded: Any, where: str) -> None:
+    """Refuse, when a checkpoint is made, a user's state (as encoded) that nests too
+    deep for the checkpoint to load."""
+    if nested_deeper(encoded, _USER_DEPTH):
+        raise StateNotPlainDataError(
+            f"{where} nests dicts, lists and tuples more than {_USER_DEPTH} deep in all (a "
+            f"tuple or a dict with non-str keys counts twice); a checkpoint holds at most "
+            f"{MAX_DEPTH} levels: flatten the state"
+        )
 
 
 def resign(state: dict[str, Any]) -> dict[str, Any]:

@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import plain as _plain
-from .checkpoint import FORMAT, SAME_AS_YIELDED, VERSION, Checkpoint, digest_of, sha256_of
+from .checkpoint import FORMAT, SAME_AS_YIELDED, VERSION, Checkpoint, check_user_depth, digest_of, sha256_of
 from .fingerprint import Fingerprint, check_fingerprint
 from .parse import parse
 from .schema import LoaderFacts, check_consistent
@@ -85,10 +85,12 @@ def _snapshot_to_plain(
     if snapshot.data is not None:
         _plain.check_plain(snapshot.data, f"{where}['data']")
     rng = rng_bytes(snapshot.rng)
+    data = _plain.encode(snapshot.data)
+    check_user_depth(data, f"{where}['data']")
     return {
         "rng": _plain.b64(rng if seeded is None else compact(rng, *seeded, deadline, budget)),
         "produced": snapshot.produced,
-        "data": _plain.encode(snapshot.data),
+        "data": data,
         "data_owner": snapshot.data_owner,
         "complete": snapshot.complete,
         "exhausted": snapshot.exhausted,
@@ -169,7 +171,9 @@ def build_state(
         sampler_state = position.sampler_state
         if sampler_state is not None:
             _plain.check_plain(sampler_state["state"], "the sampler's state_dict()")
-            sampler_state = {"state": _plain.encode(sampler_state["state"]), "done": sampler_state["done"]}
+            encoded = _plain.encode(sampler_state["state"])
+            check_user_depth(encoded, "the sampler's state_dict()")
+            sampler_state = {"state": encoded, "done": sampler_state["done"]}
         state.update(
             epoch=progress.epoch,
             ended=position.ended,

@@ -21,7 +21,6 @@ import torch
 from . import plain as _plain
 from .checkpoint import (
     FORMAT,
-    MAX_DEPTH,
     MAX_LOGICAL_WORKERS,
     READABLE_VERSIONS,
     SAME_AS_YIELDED,
@@ -29,8 +28,8 @@ from .checkpoint import (
     DistributedArgs,
     NextBatch,
     SamplerPosition,
-    digest_of,
-    sha256_of,
+    check_depth,
+    check_digest,
 )
 from .fingerprint import DISTRIBUTED_FIELDS, FINGERPRINT_KEYS
 from .._errors import CheckpointFormatError
@@ -133,40 +132,6 @@ def _at_least(where: str, value: int, low: int) -> int:
     return value
 
 
-def check_depth(value: Any, where: str = "loader state") -> None:
-    """Raise :class:`CheckpointFormatError` when ``value`` nests dicts and lists deeper
-    than ``MAX_DEPTH``. Iterative: it must not itself hit the recursion limit."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise _fail(
-                where,
-                f"nests dicts and lists more than {MAX_DEPTH} deep, which snaploader never "
-                "writes; it was crafted or corrupted",
-            )
-        if isinstance(item, dict):
-            stack.extend((child, depth + 1) for child in item.values() if isinstance(child, (dict, list)))
-        elif isinstance(item, list):
-            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
-
-
-def check_digest(state: dict[str, Any], where: str = "loader state") -> None:
-    """Raise unless ``state['digest']`` is the digest of the rest (``state`` has a
-    ``workers`` list and a depth already checked)."""
-    workers = state.get("workers")
-    try:
-        expected = digest_of(state, [sha256_of(ledger) for ledger in workers] if isinstance(workers, list) else [])
-    except (TypeError, ValueError) as exc:
-        raise _fail(where, f"holds something that is not plain data ({exc})") from None
-    if state.get("digest") != expected:
-        raise _fail(
-            f"{where}['digest']",
-            "does not match the state's contents: the checkpoint was modified or corrupted "
-            "after state_dict() made it. Load an unmodified checkpoint",
-        )
-
-
 def _upgrade(state: dict[str, Any], version: int) -> dict[str, Any]:
     """``state`` as the current version writes it: what an older file lacks, filled in."""
     out = {**_ADDED_TOP, **state}
@@ -246,12 +211,13 @@ def parse(state: Any) -> Checkpoint:
     counts = [_produced(ledger) for ledger in workers]
     if sum(counts) != yielded:
         raise _fail("loader state['yielded']", f"is {yielded}, but the workers produced {sum(counts)} batch(es)")
-    twists = sum(
-        code_twists(snapshot.rng)
+    snapshots = {
+        id(snapshot): snapshot.rng  # "same as yielded" is one snapshot, replayed once
         for ledger in workers
         for snapshot in (ledger.epoch_start, ledger.yielded, ledger.yielded_complete)
         if snapshot is not None and isinstance(snapshot.rng, bytes)
-    )
+    }
+    twists = sum(code_twists(rng) for rng in snapshots.values())
     if twists > LOAD_TWISTS:
         raise _fail(
             "loader state['workers']",

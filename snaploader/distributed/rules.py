@@ -165,8 +165,9 @@ def gather(states: Sequence[dict[str, Any]]) -> World:
         # among the first len(by_rank) + 10, whatever size is.
         missing = [r for r in range(min(size, len(by_rank) + 10)) if r not in by_rank]
         raise ValueError(
-            f"the checkpoints are of a {size}-rank run, but {size - len(by_rank)} rank(s) are missing "
-            f"(ranks {missing}{'...' if size - len(by_rank) > len(missing) else ''}; got {sorted(by_rank)}): "
+            f"the checkpoints are of a {size}-rank run, but ranks {missing}"
+            f"{f' and {size - len(by_rank) - len(missing)} more' if size - len(by_rank) > len(missing) else ''} "
+            f"are missing (got {sorted(by_rank)}): "
             f"pass the state_dict() of all {size} old ranks"
         )
     ordered = [by_rank[rank] for rank in range(size)]
