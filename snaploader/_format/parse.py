@@ -262,11 +262,12 @@ def _fingerprint(value: dict[str, Any]) -> tuple[dict[str, Any], DistributedArgs
     if "distributed" not in value:
         return out, None  # written before it was recorded: not compared
     shard = value["distributed"]
-    out["distributed"] = None if shard is None else dict(shard)
+    out["distributed"] = None
     if shard is None:
         return out, None
     inner = f"{where}['distributed']"
     _fields(inner, shard, {key: (kind,) for key, kind in DISTRIBUTED_FIELDS.items()})
+    out["distributed"] = {key: shard[key] for key in DISTRIBUTED_FIELDS}
     _at_least(f"{inner}['num_replicas']", shard["num_replicas"], 1)
     if not 0 <= shard["rank"] < shard["num_replicas"]:
         raise _fail(inner, f"has rank {shard['rank']} of num_replicas {shard['num_replicas']}; expected 0 <= rank < num_replicas")
