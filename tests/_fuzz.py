@@ -11,6 +11,8 @@ stream) is a bug.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import random
 import warnings
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import snaploader
-from snaploader._format import schema as _layout
+from snaploader._format.checkpoint import resign
+from snaploader._rng.kinds import parse as parse_objects
 
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream
@@ -120,6 +123,19 @@ def _replacements(old: Any, rng: random.Random) -> list[Any]:
     return options
 
 
+def _object_states_only(old: Any, new: Any) -> bool:
+    """True when ``new`` is a generator-object blob with the same paths and kinds as
+    ``old`` and other state bytes: a generator state no check can tell from another
+    (as with Mersenne Twister words), so only the digest can catch the edit."""
+    if not (isinstance(old, str) and isinstance(new, str)) or old == new:
+        return False
+    try:
+        before, after = (parse_objects(base64.b64decode(text, validate=True)) for text in (old, new))
+    except (ValueError, binascii.Error):
+        return False
+    return [record[:2] for record in before] == [record[:2] for record in after]
+
+
 def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], str]:
     """A copy of ``state`` with one value replaced, removed or added, re-signed half the
     time (a deliberate editor) unless it is inside the user's own state, and what was
@@ -130,6 +146,7 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     for key in path[:-1]:
         parent = parent[key]
     key = path[-1]
+    old_value = copy.deepcopy(parent[key])
     action = rng.random()
     if action < 0.1 and isinstance(parent, dict):
         del parent[key]
@@ -144,18 +161,17 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     # A deliberate editor's change to the user's own state (a dataset's or sampler's
     # state_dict()) is the user's protocol's to judge; snaploader's fields are not.
     # Nor can any check tell one Mersenne Twister state from another: every 624 words
-    # are a valid state. Such edits are the digest's to catch (unsigned ones below).
+    # are a valid state, and the same holds for a generator object's state bytes (same
+    # paths and kinds). Such edits are the digest's to catch (unsigned ones below).
     # A pending skip is an instruction (load_state_dict(skip=...) writes it): a re-signed
     # one is a skip asked for, and changes the stream as documented.
     # A re-signed reordering of the whole ledger list is as coherent as a real state when
     # the counts allow it (ledgers carry no worker index yet): the digest's to catch.
     users = "data" in path or path[:2] == ("sampler_state", "state") or path in (("skip",), ("workers",))
-    rng_words = path[-1] in ("rng", "rng_start", "rng_next")
+    rng_words = path[-1] in ("rng", "rng_start", "rng_next") or _object_states_only(old_value, parent.get(key) if isinstance(parent, dict) else None)
     if not users and not rng_words and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
-            mutant["digest"] = _layout.digest_of(
-                mutant, [_layout.sha256_of(w) for w in mutant["workers"]]
-            )
+            mutant["digest"] = resign(mutant)["digest"]
             what += " (re-signed)"
         except Exception:
             pass

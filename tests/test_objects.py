@@ -232,14 +232,15 @@ def test_a_checkpoint_from_another_graph_names_the_path() -> None:
 
 
 def test_an_out_of_range_state_is_refused_before_anything_runs() -> None:
-    from snaploader._format import schema as _layout, plain as _plain
+    from snaploader._format import plain as _plain
+    from snaploader._format.checkpoint import resign
 
     state = _cut(_make("own", 1), 0, 3)
     blob = bytearray(_plain.unb64(state["workers"][0]["yielded"]["objects"], "x"))
     at = blob.index(b"dataset.py") + len("dataset.py") + 1 + 4  # past the kind and length
     blob[at:at + 4] = (700).to_bytes(4, "little")  # Mersenne Twister position 700 > 624
     state["workers"][0]["yielded"]["objects"] = _plain.b64(bytes(blob))
-    state["digest"] = _layout.digest_of(state, [_layout.sha256_of(w) for w in state["workers"]])
+    state["digest"] = resign(state)["digest"]
     with pytest.raises(snaploader.CheckpointFormatError, match=r"'objects'\] .*dataset\.py.*position 700"):
         _make("own", 1).load_state_dict(state)
 

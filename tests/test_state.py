@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset, RandomSampler
 
 import snaploader
-from snaploader._format import schema as _layout
+from snaploader._format import checkpoint as _checkpoint
 from snaploader import CheckpointFormatError, CheckpointMismatchError
 from snaploader._workers.pool import Pool, WorkerProcess
 
@@ -208,8 +208,7 @@ def resign(state: Any) -> Any:
     try:
         if "digest" not in state:
             return state
-        workers = state["workers"]
-        state["digest"] = _layout.digest_of(state, [_layout.sha256_of(w) for w in workers])
+        state["digest"] = _checkpoint.resign(state)["digest"]
     except Exception:
         pass  # too broken to sign: the structure checks before the digest answer
     return state

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler, RandomSampler
 
 import snaploader
-from snaploader._format import schema as _layout
+from snaploader._format.checkpoint import resign
 from snaploader.distributed.rules import Source, remaining, share
 from snaploader.distributed import concat, reshard
 
@@ -255,7 +255,7 @@ def test_what_cannot_be_resharded_is_named() -> None:
         reshard([shuffled.state_dict()], make_loader, rank=0, world_size=2)
     older = json.loads(json.dumps(states[0]))
     del older["fingerprint"]["distributed"]
-    older["digest"] = _layout.digest_of(older, [_layout.sha256_of(w) for w in older["workers"]])
+    older["digest"] = resign(older)["digest"]
     with pytest.raises(snaploader.CheckpointMismatchError, match="did not record the DistributedSampler"):
         reshard([older, *states[1:]], make_loader, rank=0, world_size=2)
     with pytest.raises(snaploader.CheckpointFormatError, match="checkpoint 2 of the list: loader state.*digest"):
@@ -292,7 +292,7 @@ def test_a_checkpoint_without_the_sampler_arguments_still_loads() -> None:
     old = _old_run(make_loader, 40, 4, cut=1)
     state = json.loads(json.dumps(old.states[2]))
     del state["fingerprint"]["distributed"]
-    state["digest"] = _layout.digest_of(state, [_layout.sha256_of(w) for w in state["workers"]])
+    state["digest"] = resign(state)["digest"]
     loader = make_loader(DistributedSampler(Augmented(40), num_replicas=4, rank=2, shuffle=True, seed=5))
     loader.load_state_dict(state)
     assert_same_stream(list(loader), old.rest[2])

@@ -1,11 +1,15 @@
-"""The checkpoint format, all of it: build, validate, fingerprint, plain conversion.
+"""The checkpoint built from the ledger (:func:`build_state`), and a loader state read
+back into the start of an epoch (:func:`read_state`: parse, compare, plan).
 
 A checkpoint is JSON-safe plain data (dict with str keys, list, str, int, float, bool,
 None; ``_format/plain.py``), so ``json.dumps`` and ``torch.load(weights_only=True)`` both take
-it. It is untrusted input on load: :func:`read_state` checks every field's type, range
-and consistency with the others and with the loader, and an integrity digest, before
-anything forks; every problem is a :class:`CheckpointFormatError` naming the key path.
-Layout (version 3; version 2 is read too, see ``_layout.READABLE_VERSIONS``)::
+it. It is untrusted input on load: ``_format/parse.py`` turns it into a typed
+:class:`~snaploader._format.checkpoint.Checkpoint` (every field's type and range, the
+integrity digest, blobs decoded once), then :func:`read_state` compares it with the
+loader (the fingerprint, ``_format/schema.py``), replays the RNG states' twist codes
+and builds the restore plan, all before anything forks; every problem is a
+:class:`CheckpointFormatError` naming the key path.
+Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``)::
 
     format         "snaploader"
     version        3
@@ -59,21 +63,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import plain as _plain
+from .checkpoint import FORMAT, SAME_AS_YIELDED, VERSION, Checkpoint, check_user_depth, digest_of, sha256_of
 from .fingerprint import Fingerprint, check_fingerprint
-from .schema import (
-    FORMAT,
-    SAME_AS_YIELDED,
-    VERSION,
-    LoaderFacts,
-    check_consistent,
-    digest_of,
-    logical_workers_of,
-    sha256_of,
-    validate,
-)
+from .parse import parse
+from .schema import LoaderFacts, check_consistent
+from .._errors import CheckpointFormatError
 from .._state.ledger import EpochProgress, EpochStart, Position, WorkerLedger
 from .._state.records import Snapshot
 from .._rng.capture import RngSource, rng_bytes
+from .._rng.twist import expand_for, has_codes
 
 # -- building a checkpoint ---------------------------------------------------------------
 
@@ -93,11 +91,13 @@ from .._rng.capture import RngSource, rng_bytes
 def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
     if snapshot.data is not None:
         _plain.check_plain(snapshot.data, f"{where}['data']")
+    data = _plain.encode(snapshot.data)
+    check_user_depth(data, f"{where}['data']")
     return {
         # The states as the worker captured them (NOTE [ raw RNG states ]).
         "rng": _plain.b64(rng_bytes(snapshot.rng)),
         "produced": snapshot.produced,
-        "data": _plain.encode(snapshot.data),
+        "data": data,
         "data_owner": snapshot.data_owner,
         "complete": snapshot.complete,
         "exhausted": snapshot.exhausted,
@@ -170,7 +170,9 @@ def build_state(
         sampler_state = position.sampler_state
         if sampler_state is not None:
             _plain.check_plain(sampler_state["state"], "the sampler's state_dict()")
-            sampler_state = {"state": _plain.encode(sampler_state["state"]), "done": sampler_state["done"]}
+            encoded = _plain.encode(sampler_state["state"])
+            check_user_depth(encoded, "the sampler's state_dict()")
+            sampler_state = {"state": encoded, "done": sampler_state["done"]}
         state.update(
             epoch=progress.epoch,
             ended=position.ended,
@@ -203,33 +205,6 @@ def build_state(
 # -- reading a checkpoint ----------------------------------------------------------------
 
 
-def _snapshot_from_plain(plain: dict[str, Any], where: str) -> Snapshot:
-    return Snapshot(
-        rng=_plain.unb64(plain["rng"], f"{where}['rng']"),
-        produced=plain["produced"],
-        data=_plain.decode(plain["data"], f"{where}['data']"),
-        data_owner=plain["data_owner"],
-        complete=plain["complete"],
-        exhausted=plain["exhausted"],
-        objects=None if plain.get("objects") is None else _plain.unb64(plain["objects"], f"{where}['objects']"),
-    )
-
-
-def _ledger_from_plain(plain: dict[str, Any], where: str) -> WorkerLedger:
-    def snap(key: str) -> Snapshot | None:
-        value = plain[key]
-        return None if not isinstance(value, dict) else _snapshot_from_plain(value, f"{where}[{key!r}]")
-
-    yielded = snap("yielded")
-    return WorkerLedger(
-        epoch_start=snap("epoch_start"),
-        yielded=yielded,
-        yielded_complete=yielded if plain["yielded_complete"] == SAME_AS_YIELDED else snap("yielded_complete"),
-        exhausted=plain["exhausted"],
-        skipped=plain.get("skipped", 0),
-    )
-
-
 def _carried_dataset_state(ledgers: list[WorkerLedger], logical: int) -> Any:
     if logical != 0 or not ledgers:
         return None
@@ -239,14 +214,49 @@ def _carried_dataset_state(ledgers: list[WorkerLedger], logical: int) -> Any:
     return last.data
 
 
+def _expanded(checkpoint: Checkpoint) -> list[WorkerLedger]:
+    """The ledgers with their RNG states' twist codes replayed: once, here, after every
+    cheap check passed, within the bound the parse checked (NOTE [ checkpoint limits ])."""
+    base_seed = checkpoint.base_seed
+    if base_seed is None:
+        return list(checkpoint.workers)
+    out = []
+    for w, ledger in enumerate(checkpoint.workers):
+        done: dict[int, Snapshot] = {}
+
+        def expanded(snapshot: Snapshot | None, key: str) -> Snapshot | None:
+            if snapshot is None or not isinstance(snapshot.rng, bytes) or not has_codes(snapshot.rng):
+                return snapshot
+            if id(snapshot) not in done:
+                try:
+                    rng = expand_for(snapshot.rng, base_seed, w)
+                except ValueError as exc:
+                    raise CheckpointFormatError(
+                        f"loader state['workers'][{w}][{key!r}]['rng'] is not where logical worker {w}'s "
+                        f"generators went from base seed {base_seed}: {exc}"
+                    ) from None
+                done[id(snapshot)] = replace(snapshot, rng=rng)
+            return done[id(snapshot)]
+
+        out.append(replace(
+            ledger,
+            epoch_start=expanded(ledger.epoch_start, "epoch_start"),
+            yielded=expanded(ledger.yielded, "yielded"),
+            yielded_complete=expanded(ledger.yielded_complete, "yielded_complete"),
+            cache=[],
+        ))
+    return out
+
+
 @dataclass(frozen=True)
 class Restore:
     """What a validated checkpoint asks of a loader: the next epoch's start, and for a
     checkpoint taken between epochs, the sampler state and generator state to set."""
 
+    checkpoint: Checkpoint
     start: EpochStart
     ledgers: list[WorkerLedger]
-    sampler_state: Any
+    sampler_state: dict[str, Any] | None
     rng_next: bytes | None
     # num_workers=0 iterates the dataset object itself, so what its own state_dict()
     # held at the end of a finished epoch carries into the next, as in torch: the
@@ -257,50 +267,45 @@ class Restore:
 def read_state(
     state: Any, mine: Fingerprint, allowed: frozenset[str], facts: LoaderFacts, persistent: bool
 ) -> Restore:
-    """Validate ``state`` in full against this loader and say how to resume from it.
+    """Parse ``state``, check it against this loader and say how to resume from it.
     The epoch it describes goes on with its own logical worker count, whatever this
     loader's ``num_workers``; the epochs after it have this loader's (``facts.logical``;
     NOTE [ logical workers ] in _workers/process_main.py)."""
-    validate(state)
-    check_fingerprint(state, mine, allowed)
-    logical = logical_workers_of(state)
-    check_consistent(state, replace(facts, slots=max(1, logical)))
-    ledgers = [_ledger_from_plain(plain, f"loader state['workers'][{w}]") for w, plain in enumerate(state["workers"])]
-    sampler_state = state["sampler_state"]
-    if sampler_state is not None:
-        sampler_state = {
-            "state": _plain.decode(sampler_state["state"], "loader state['sampler_state']['state']"),
-            "done": sampler_state["done"],
-        }
-    if state["ended"]:
-        if persistent and state["epoch"] >= 0 and ledgers and logical == facts.logical:
+    checkpoint = parse(state)
+    check_fingerprint(checkpoint.fingerprint, mine, allowed)
+    check_consistent(checkpoint, facts)
+    ledgers = _expanded(checkpoint)
+    logical = checkpoint.logical_workers
+    position = checkpoint.sampler_state
+    sampler_state = None if position is None else {"state": position.state, "done": position.done}
+    if checkpoint.ended:
+        if persistent and checkpoint.epoch >= 0 and ledgers and logical == facts.logical:
             start = EpochStart(
-                epoch=state["epoch"] + 1,
-                base_seed=state["base_seed"],
+                epoch=checkpoint.epoch + 1,
+                base_seed=checkpoint.base_seed,
                 draw_base_seed=False,
                 workers=[ledger.next_epoch() for ledger in ledgers],
-                skip=state.get("skip", 0),
+                skip=checkpoint.skip,
                 logical=logical,
             )
         else:
-            start = EpochStart(epoch=state["epoch"] + 1, skip=state.get("skip", 0))
-        rng_next = None if state["rng_next"] is None else _plain.unb64(state["rng_next"], "rng_next")
-        return Restore(start, ledgers, sampler_state, rng_next, _carried_dataset_state(ledgers, logical))
-    expected = [None if e is None else (e["produced"], e["digest"]) for e in state["next_batches"]]
+            start = EpochStart(epoch=checkpoint.epoch + 1, skip=checkpoint.skip)
+        dataset_state = _carried_dataset_state(ledgers, logical)
+        return Restore(checkpoint, start, ledgers, sampler_state, checkpoint.rng_next, dataset_state)
+    expected = [None if e is None else (e.produced, e.digest) for e in checkpoint.next_batches]
     start = EpochStart(
-        epoch=state["epoch"],
+        epoch=checkpoint.epoch,
         expected_digests=expected,
-        restore_rng=_plain.unb64(state["rng_start"], "loader state['rng_start']"),
-        base_seed=state["base_seed"],
-        draw_base_seed=state["drew_base_seed"],
-        yielded=state["yielded"],
-        turn=state["turn"],
+        restore_rng=checkpoint.rng_start,
+        base_seed=checkpoint.base_seed,
+        draw_base_seed=checkpoint.drew_base_seed,
+        yielded=checkpoint.yielded,
+        turn=checkpoint.turn,
         workers=ledgers,
         sampler_state=sampler_state,
-        sampler_epoch=state["sampler_epoch"],
-        skip=state.get("skip", 0),
+        sampler_epoch=checkpoint.sampler_epoch,
+        skip=checkpoint.skip,
         logical=logical,
-        in_order=state.get("in_order", True),
+        in_order=checkpoint.in_order,
     )
-    return Restore(start, ledgers, None, None)
-
+    return Restore(checkpoint, start, ledgers, None, None)

@@ -3,6 +3,7 @@ load that shows both sides of a difference and names the ``allow_mismatch`` key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -41,7 +42,7 @@ class Fingerprint:
 
     values: dict[str, Any]
 
-    def mismatches(self, saved: dict[str, Any], allowed: frozenset[str]) -> list[str]:
+    def mismatches(self, saved: Mapping[str, Any], allowed: frozenset[str]) -> list[str]:
         lines = []
         for key in FINGERPRINT_KEYS + OPTIONAL_KEYS:
             if key in allowed or key in _ANY_VALUE or (key in OPTIONAL_KEYS and key not in saved):
@@ -53,14 +54,16 @@ class Fingerprint:
 
 
 
-def check_fingerprint(state: dict[str, Any], mine: Fingerprint, allowed: frozenset[str]) -> None:
+def check_fingerprint(saved: Mapping[str, Any], mine: Fingerprint, allowed: frozenset[str]) -> None:
+    """Raise :class:`CheckpointMismatchError` showing both sides of each difference
+    between the checkpoint's fingerprint ``saved`` and this loader's, unless allowed."""
     unknown = allowed - set(FINGERPRINT_KEYS + OPTIONAL_KEYS)
     if unknown:
         raise ValueError(
             f"allow_mismatch names {sorted(unknown)}, which are not checked; "
             f"the checked names are {list(FINGERPRINT_KEYS + OPTIONAL_KEYS)}"
         )
-    lines = mine.mismatches(state["fingerprint"], allowed)
+    lines = mine.mismatches(saved, allowed)
     if lines:
         names = ", ".join(repr(line.split(":")[0].strip()) for line in lines) + ("," if len(lines) == 1 else "")
         raise CheckpointMismatchError(

@@ -45,6 +45,21 @@ def unb64(text: str, where: str) -> bytes:
         raise ValueError(f"{where} is not valid base64") from None
 
 
+def nested_deeper(value: Any, limit: int) -> bool:
+    """True when ``value`` nests dicts and lists more than ``limit`` deep. Iterative, so
+    it never hits the recursion limit itself (NOTE [ checkpoint limits ])."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((child, depth + 1) for child in item.values() if isinstance(child, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return False
+
+
 def check_plain(value: Any, where: str) -> None:
     """Raise :class:`StateNotPlainDataError` unless :func:`encode` can store ``value``."""
     if isinstance(value, _JSON_SCALARS) or isinstance(value, bytes):

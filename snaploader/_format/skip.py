@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .schema import digest_of, sha256_of
+from .checkpoint import resign
 from .._state.ledger import EpochStart
 
 
@@ -61,7 +61,4 @@ def skip_count(start: EpochStart, skip: Any, skip_to: Any, batches_per_epoch: in
 def state_with_skip(state: dict[str, Any], skip: int) -> dict[str, Any]:
     """``state`` (already validated) with ``skip`` batches pending, digest renewed: what
     ``state_dict()`` returns between ``load_state_dict(skip=...)`` and ``iter()``."""
-    out = dict(state)
-    out["skip"] = skip
-    out["digest"] = digest_of(out, [sha256_of(ledger) for ledger in out["workers"]])
-    return out
+    return resign({**state, "skip": skip})

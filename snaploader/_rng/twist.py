@@ -23,13 +23,24 @@ bytes before, 40 normal-cache bytes after).
 
 from __future__ import annotations
 
+import functools
+import random
 import struct
 import zlib
 from typing import Final
 
 import numpy as np
+import torch
+from torch.utils.data._utils import worker as torch_worker
 
-from .raw import _PY_BLOB, _TORCH_PACKED, _TORCH_WORDS_AT
+from .raw import (
+    _PY_BLOB,
+    _TORCH_PACKED,
+    _TORCH_WORDS_AT,
+    legacy_numpy_access,
+    pack_torch_state,
+    python_rng_access,
+)
 
 # NOTE [ twist codes ]
 # Finding k means walking the seed's path until the state turns up: time that grows
@@ -41,6 +52,9 @@ from .raw import _PY_BLOB, _TORCH_PACKED, _TORCH_WORDS_AT
 # legacy and torch's); k is bounded so that a crafted checkpoint cannot make loading
 # spin: 2**16 twists, about 0.1 s.
 MAX_TWISTS: Final = 2**16
+# All of one checkpoint's codes together: about 1.5 s of replay. A load refuses more
+# before replaying any (NOTE [ checkpoint limits ] in _format/checkpoint.py).
+LOAD_TWISTS: Final = 2**20
 _MT_WORDS: Final = 624
 _WORDS_BYTES: Final = _MT_WORDS * 4
 _HEAD = struct.Struct("<II")  # k, CRC-32 of the words
@@ -119,6 +133,43 @@ def _parts(blob: bytes, seed: tuple[bytes, bytes, bytes]) -> list[bytes]:
         parts.append(blob[at:end])
         at = end
     return parts
+
+
+@functools.lru_cache(maxsize=64)
+def seed_state(base_seed: int, worker_id: int) -> tuple[bytes, bytes, bytes]:
+    """The three parts ``capture_rng()`` gives right after ``seed_like_torch(base_seed,
+    worker_id)``, computed on throwaway generators (the global ones are left alone)."""
+    seed = base_seed + worker_id
+    python = python_rng_access(random.Random(seed)).read()
+    legacy = np.random.RandomState(torch_worker._generate_state(base_seed, worker_id))
+    numpy = legacy_numpy_access(legacy).read()
+    generator = torch.Generator().manual_seed(seed)
+    return python, numpy, pack_torch_state(generator.get_state().numpy().tobytes())
+
+
+def has_codes(blob: bytes) -> bool:
+    return blob[0] >> _CODED_SHIFT != 0
+
+
+def code_twists(blob: bytes) -> int:
+    """The twists the codes of ``blob`` (checked by ``check_rng``) ask to replay."""
+    flags, at, total = blob[0], 1, 0
+    for part, size in enumerate(part_sizes(flags)):
+        if size is None:
+            continue
+        if flags & (1 << (_CODED_SHIFT + part)):
+            total += _HEAD.unpack_from(blob, at)[0]
+        at = len(blob) if size < 0 else at + size
+    return total
+
+
+def expand_for(blob: bytes, base_seed: int, worker_id: int) -> bytes:
+    """``blob`` of worker ``worker_id`` seeded from ``base_seed`` with its codes
+    replayed (in the main process, once per load); ValueError when a code's CRC says it
+    belongs to another seed state."""
+    if not has_codes(blob):
+        return blob
+    return expand(blob, seed_state(base_seed, worker_id))
 
 
 def expand(blob: bytes, seed: tuple[bytes, bytes, bytes]) -> bytes:

@@ -11,6 +11,10 @@ from typing import Any, Final
 
 REPLAY_MODES: Final = ("warn", "allow", "refuse")
 
+# The most logical workers a loader runs (and a checkpoint may name: its load's work grows
+# with them, so an untrusted checkpoint is bounded by this too).
+MAX_LOGICAL_WORKERS: Final = 1024
+
 
 def _is_count(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
@@ -78,10 +82,10 @@ class Options:
             raise ValueError(f"state_protocol should be True or False, got {state_protocol!r}")
         if logical_workers is None:
             logical_workers = num_workers
-        if not _is_count(logical_workers, 0):
+        if not _is_count(logical_workers, 0) or logical_workers > MAX_LOGICAL_WORKERS:
             raise ValueError(
-                f"logical_workers should be an int >= 0 (the worker count that defines the "
-                f"stream) or None for num_workers; got {logical_workers!r}"
+                f"logical_workers should be an int from 0 to {MAX_LOGICAL_WORKERS} (the worker "
+                f"count that defines the stream) or None for num_workers; got {logical_workers!r}"
             )
         if logical_workers == 0 and num_workers > 0:
             raise ValueError(

@@ -99,7 +99,7 @@ def _summarize_v1(state: dict[str, Any]) -> dict[str, Any]:
 def _summarize_v2(state: dict[str, Any]) -> dict[str, Any]:
     # Version 2 keeps version 1's fields (RNG bytes as base64), adds an integrity
     # digest and the resume self-check's digests of prefetched batches.
-    from .._format.schema import validate
+    from .._format.parse import parse as validate
     from .._errors import CheckpointFormatError
 
     summary = _summarize_v1(state)

@@ -113,8 +113,8 @@ class WorkerRuntime:
             self.pending_error = self.pending_error or WorkerError.capture(exc)
 
     def _restore_rng(self, state: RngState) -> None:
-        # Validation in the main process range-checks a twist code (_rng/twist.py) but
-        # cannot replay it: only this worker holds the seed state it is relative to.
+        # The main process checked a checkpoint's states and replayed their twist codes
+        # (_format/codec.py); the error path stays for a state that still cannot be set.
         try:
             restore_rng(state, self.seed_rng)
         except ValueError as exc:

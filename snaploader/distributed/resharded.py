@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .._errors import CheckpointFormatError
-from .._format.schema import sha256_of
+from .._format.checkpoint import sha256_of
 from .._loader import DataLoader
 from .rules import Source, World, gather, hosted, remaining, require_in_order, sampler_for, share
 
@@ -240,10 +240,10 @@ def _resume_during(during: list[dict[str, Any]], total: int, rank: int, world_si
 
 
 def _epoch_of(world: World) -> int | None:
-    first = world.states[0]
-    if first["epoch"] < 0 or first["sampler_epoch"] is None:
+    first = world.checkpoints[0]
+    if first.epoch < 0 or first.sampler_epoch is None:
         return None
-    return first["sampler_epoch"] + (1 if all(state["ended"] for state in world.states) else 0)
+    return first.sampler_epoch + (1 if all(c.ended for c in world.checkpoints) else 0)
 
 
 def reshard(
@@ -298,7 +298,7 @@ def reshard(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
             combine=combine, loaders=[after], epoch=_epoch_of(world),
         )
-    require_in_order(world.states)
+    require_in_order(world.checkpoints)
     mine = share(remaining(world.source), world.source.batch_size, rank, world_size)
     return ReshardedLoader(
         mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,

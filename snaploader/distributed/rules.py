@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from torch.utils.data.distributed import DistributedSampler
 
 from .._errors import CheckpointFormatError, CheckpointMismatchError
+from .._format.checkpoint import Checkpoint, DistributedArgs
 from .._format.fingerprint import FINGERPRINT_KEYS
-from .._format.schema import validate
+from .._format.parse import parse
 
 # The fingerprint entries that differ between the ranks of one world: the rank itself,
 # and the process count, which never defines the stream (logical workers).
@@ -64,9 +65,11 @@ class Source:
 
 @dataclass(frozen=True)
 class World:
-    """The validated checkpoints of the N ranks of one run, ``states[r]`` rank r's."""
+    """The checkpoints of the N ranks of one run, ``states[r]`` rank r's as given and
+    ``checkpoints[r]`` parsed."""
 
     states: list[dict[str, Any]]
+    checkpoints: list[Checkpoint]
     source: Source
     # per rank: (epoch, ended, batches consumed): hosting needs them all equal
     positions: tuple[tuple[int, bool, int], ...]
@@ -105,8 +108,8 @@ def _refuse(who: str, problem: str) -> CheckpointMismatchError:
     return CheckpointMismatchError(f"{who} {problem}")
 
 
-def _distributed(state: dict[str, Any], who: str) -> dict[str, Any]:
-    fingerprint = state["fingerprint"]
+def _distributed(checkpoint: Checkpoint, who: str) -> DistributedArgs:
+    fingerprint = checkpoint.fingerprint
     if "distributed" not in fingerprint:
         raise _refuse(
             who,
@@ -114,78 +117,80 @@ def _distributed(state: dict[str, Any], who: str) -> dict[str, Any]:
             "DistributedSampler's arguments; resume it on its own world size, or save "
             "it again with this snaploader",
         )
-    value = fingerprint["distributed"]
     # With sampler= and batch_size=, torch's loader batches through its own BatchSampler
     # (recorded as such); a batch_sampler= of the user's leaves no DistributedSampler.
-    if value is None or fingerprint["batch_size"] is None:
+    if checkpoint.distributed is None or fingerprint["batch_size"] is None or fingerprint["dataset_length"] is None:
         raise _refuse(
             who,
             f"was taken from a loader with sampler {fingerprint['sampler']!r} and batch_size "
             f"{fingerprint['batch_size']!r}: only a map-style dataset read through torch's "
             "DistributedSampler (sampler=, batch_size=, no batch_sampler=) can change world size",
         )
-    return dict(value)
+    return checkpoint.distributed
 
 
 def gather(states: Sequence[dict[str, Any]]) -> World:
     """The world the checkpoints ``states`` make, in rank order, or a clear error: each
-    validated, all of one run (same fingerprint but the rank), every rank 0..N-1 once,
+    parsed, all of one run (same fingerprint but the rank), every rank 0..N-1 once,
     all in the same epoch."""
     if not states:
         raise ValueError("no checkpoints given: pass the state_dict() of every rank of the old run")
-    by_rank: dict[int, dict[str, Any]] = {}
-    first: dict[str, Any] | None = None
+    by_rank: dict[int, tuple[dict[str, Any], Checkpoint]] = {}
+    first: Checkpoint | None = None
     for place, state in enumerate(states):
         try:
-            validate(state)
+            checkpoint = parse(state)
         except CheckpointFormatError as exc:
             raise CheckpointFormatError(f"checkpoint {place} of the list: {exc}") from None
-        shard = _distributed(state, f"checkpoint {place} of the list")
-        rank = shard.pop("rank")
-        who = f"rank {rank}'s checkpoint"
+        shard = _distributed(checkpoint, f"checkpoint {place} of the list")
+        who = f"rank {shard.rank}'s checkpoint"
         if first is None:
-            first = state
+            first = checkpoint
         diffs = [
-            f"  {key}: {first['fingerprint'].get(key)!r} / {state['fingerprint'].get(key)!r}"
-            for key in FINGERPRINT_KEYS if key not in _PER_RANK and first["fingerprint"][key] != state["fingerprint"][key]
+            f"  {key}: {first.fingerprint.get(key)!r} / {checkpoint.fingerprint.get(key)!r}"
+            for key in FINGERPRINT_KEYS if key not in _PER_RANK and first.fingerprint[key] != checkpoint.fingerprint[key]
         ]
-        base = dict(first["fingerprint"]["distributed"])
-        base.pop("rank")
+        base = replace(_distributed(first, "the first checkpoint"), rank=shard.rank)
         if base != shard:
             diffs.append(f"  distributed (but rank): {base!r} / {shard!r}")
         if diffs:
             raise _refuse(who, "comes from a loader built differently from the first one's (first / this):\n" + "\n".join(diffs))
-        if rank in by_rank:
+        if shard.rank in by_rank:
             raise _refuse(who, "is given twice: pass each old rank's checkpoint once")
-        by_rank[rank] = state
+        by_rank[shard.rank] = (state, checkpoint)
     assert first is not None
-    size = first["fingerprint"]["distributed"]["num_replicas"]
-    missing = sorted(set(range(size)) - set(by_rank))
-    if missing:
+    size = _distributed(first, "the first checkpoint").num_replicas
+    if len(by_rank) != size:
+        # by_rank's ranks are distinct and below size: the first missing ones are found
+        # among the first len(by_rank) + 10, whatever size is.
+        missing = [r for r in range(min(size, len(by_rank) + 10)) if r not in by_rank]
         raise ValueError(
-            f"the checkpoints are of a {size}-rank run, but ranks {missing} are missing "
-            f"(got {sorted(by_rank)}): pass the state_dict() of all {size} old ranks"
+            f"the checkpoints are of a {size}-rank run, but ranks {missing}"
+            f"{f' and {size - len(by_rank) - len(missing)} more' if size - len(by_rank) > len(missing) else ''} "
+            f"are missing (got {sorted(by_rank)}): "
+            f"pass the state_dict() of all {size} old ranks"
         )
     ordered = [by_rank[rank] for rank in range(size)]
-    return World(ordered, _source_of(ordered), tuple(_position(f"rank {r}'s checkpoint", s) for r, s in enumerate(ordered)))
+    checkpoints = [checkpoint for _, checkpoint in ordered]
+    positions = tuple(_position(f"rank {r}'s checkpoint", c) for r, c in enumerate(checkpoints))
+    return World([state for state, _ in ordered], checkpoints, _source_of(checkpoints), positions)
 
 
-def _position(who: str, state: dict[str, Any]) -> tuple[int, bool, int]:
-    skip = state.get("skip", 0)
-    if state["ended"] and skip:
+def _position(who: str, checkpoint: Checkpoint) -> tuple[int, bool, int]:
+    if checkpoint.ended and checkpoint.skip:
         raise _refuse(
             who,
-            f"holds a skip of {skip} batches asked for the next epoch (load_state_dict(skip=...)); "
+            f"holds a skip of {checkpoint.skip} batches asked for the next epoch (load_state_dict(skip=...)); "
             "start that epoch on the old world size first",
         )
-    return state["epoch"], state["ended"], state["yielded"] + skip
+    return checkpoint.epoch, checkpoint.ended, checkpoint.consumed
 
 
-def require_in_order(states: Sequence[dict[str, Any]]) -> None:
+def require_in_order(checkpoints: Sequence[Checkpoint]) -> None:
     """Refuse to re-partition an epoch some rank yielded out of order: what is left of
     it is then not "all but the first N batches" of each rank."""
-    for rank, state in enumerate(states):
-        if not state.get("in_order", True) and not state["ended"]:
+    for rank, checkpoint in enumerate(checkpoints):
+        if not checkpoint.in_order and not checkpoint.ended:
             raise _refuse(
                 f"rank {rank}'s checkpoint",
                 "was taken in the middle of an epoch with in_order=False: its yielded "
@@ -195,29 +200,29 @@ def require_in_order(states: Sequence[dict[str, Any]]) -> None:
             )
 
 
-def _source_of(states: list[dict[str, Any]]) -> Source:
-    epochs = {(state["epoch"], state["sampler_epoch"]) for state in states}
+def _source_of(checkpoints: list[Checkpoint]) -> Source:
+    epochs = {(c.epoch, c.sampler_epoch) for c in checkpoints}
     if len(epochs) > 1:
-        shown = ", ".join(f"rank {r}: epoch {s['epoch']} (sampler epoch {s['sampler_epoch']})" for r, s in enumerate(states))
+        shown = ", ".join(f"rank {r}: epoch {c.epoch} (sampler epoch {c.sampler_epoch})" for r, c in enumerate(checkpoints))
         raise ValueError(
             f"the checkpoints are from different epochs ({shown}); pass the checkpoints "
             "every rank saved at the same step"
         )
-    state = states[0]
-    fingerprint = state["fingerprint"]
-    shard = fingerprint["distributed"]
-    under_way = state["epoch"] >= 0 and not all(s["ended"] for s in states)
+    first = checkpoints[0]
+    fingerprint = first.fingerprint
+    shard = _distributed(first, "the first checkpoint")
+    under_way = first.epoch >= 0 and not all(c.ended for c in checkpoints)
     return Source(
-        num_replicas=shard["num_replicas"],
-        shuffle=shard["shuffle"],
-        seed=shard["seed"],
-        sampler_drop_last=shard["drop_last"],
+        num_replicas=shard.num_replicas,
+        shuffle=shard.shuffle,
+        seed=shard.seed,
+        sampler_drop_last=shard.drop_last,
         dataset_length=fingerprint["dataset_length"],
         batch_size=fingerprint["batch_size"],
         drop_last=fingerprint["drop_last"],
-        sampler_epoch=state["sampler_epoch"] if under_way else None,
+        sampler_epoch=first.sampler_epoch if under_way else None,
         # an epoch that ended has yielded all its batches (check_consistent)
-        consumed=tuple(_position(f"rank {r}'s checkpoint", s)[2] for r, s in enumerate(states)),
+        consumed=tuple(_position(f"rank {r}'s checkpoint", c)[2] for r, c in enumerate(checkpoints)),
     )
 
 

@@ -1,0 +1,177 @@
+"""The checkpoint as typed data: :class:`Checkpoint`, what ``_format/parse.py`` makes of
+an untrusted state in one pass, and what everything after the parse reads (the loader's
+checks, the restore plan, ``distributed``, ``inspect``). Also the integrity digest and
+:func:`resign`, the one place that computes it for a whole state.
+
+The plain layout is described in ``_format/codec.py``'s docstring. Adding a field:
+give it a row in ``_format/parse.py``'s tables with the default that an older file's
+absence of it means (an opt-in loader option recorded in the fingerprint: its "off"
+value; a new position field: the value that describes the old behaviour), and a field
+here; files without it keep loading, so the format version does not change for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Final
+
+from .plain import nested_deeper
+from .._errors import CheckpointFormatError, StateNotPlainDataError
+from .._state.ledger import WorkerLedger
+
+FORMAT: Final = "snaploader"
+VERSION: Final = 3
+# Version 2 lacks ``logical_workers`` (it was the fingerprint's num_workers) and each
+# ledger's ``worker``; the parse fills both in (``_format/parse.py``, ``_upgrade``).
+READABLE_VERSIONS: Final = (2, 3)
+SAME_AS_YIELDED: Final = "same as yielded"
+
+# NOTE [ checkpoint limits ]
+# A load's work is bounded by the size of a plausible checkpoint, so that a crafted one
+# is refused quickly instead of taking minutes or gigabytes: the nesting depth is
+# checked before anything recursive runs (the digest's JSON encoding, the decoding of
+# user state), the logical worker count is bounded, and so is the total number of
+# Mersenne Twister twists the RNG states' codes ask to replay (``_rng/twist.py``; the
+# writer never writes more, storing the rest raw). A dataset whose own state_dict() is
+# nested deeper than MAX_DEPTH is refused when the checkpoint is made, not when it loads.
+MAX_DEPTH: Final = 100
+# A user's state sits this deep in a checkpoint at most (workers, ledger, snapshot, data).
+_USER_DEPTH: Final = MAX_DEPTH - 8
+
+
+@dataclass(frozen=True)
+class DistributedArgs:
+    """torch's ``DistributedSampler`` arguments as the checkpoint recorded them."""
+
+    num_replicas: int
+    rank: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+
+
+@dataclass(frozen=True)
+class NextBatch:
+    """A worker's next batch, already received when the checkpoint was taken: its
+    produced count and digest, for the resume self-check (``_workers/selfcheck.py``)."""
+
+    produced: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class SamplerPosition:
+    """A stateful sampler's own state before the next batch (decoded), and whether it
+    has nothing left this epoch."""
+
+    state: Any
+    done: bool
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loader state, parsed: every field checked and decoded, the digest verified,
+    an older version upgraded. Nothing here has been compared with a loader yet
+    (``_format/schema.py`` does that). RNG states are bytes; a worker snapshot's RNG
+    states may still hold twist codes (``_rng/twist.py``), expanded once per load,
+    after the cheap checks (``_format/codec.py``)."""
+
+    version: int  # the version the file was written in
+    digest: str
+    fingerprint: MappingProxyType[str, Any]  # FINGERPRINT_KEYS, and "distributed" when recorded
+    distributed: DistributedArgs | None
+    epoch: int  # -1: no epoch started yet
+    ended: bool
+    yielded: int
+    turn: int
+    rng_kind: str
+    rng_start: bytes | None
+    rng_next: bytes | None
+    base_seed: int | None
+    drew_base_seed: bool
+    sampler_state: SamplerPosition | None
+    sampler_epoch: int | None
+    logical_workers: int
+    skip: int
+    in_order: bool
+    next_batches: tuple[NextBatch | None, ...]
+    workers: tuple[WorkerLedger, ...]
+
+    @property
+    def slots(self) -> int:
+        """The logical worker slots of the epoch it describes (0 workers: one slot)."""
+        return max(1, self.logical_workers)
+
+    @property
+    def consumed(self) -> int:
+        """Batches of the epoch that are behind the position: yielded, or skipped."""
+        return self.yielded + self.skip
+
+
+# -- the digest ------------------------------------------------------------------------
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sha256_of(value: Any) -> str:
+    return hashlib.sha256(_canonical(value)).hexdigest()
+
+
+def digest_of(state: dict[str, Any], ledger_digests: list[str]) -> str:
+    """The integrity digest: SHA-256 over the canonical JSON of ``state`` without its
+    ``digest``, each ledger replaced by the SHA-256 of its own canonical JSON (so that a
+    ledger that did not change since the last ``state_dict()`` is not hashed again)."""
+    body = {key: value for key, value in state.items() if key != "digest"}
+    body["workers"] = ledger_digests
+    return "sha256:" + sha256_of(body)
+
+
+def check_depth(value: Any, where: str = "loader state") -> None:
+    """Raise :class:`CheckpointFormatError` when ``value`` nests dicts and lists deeper
+    than ``MAX_DEPTH``. Iterative: it must not itself hit the recursion limit."""
+    if nested_deeper(value, MAX_DEPTH):
+        raise CheckpointFormatError(
+            f"{where} nests dicts and lists more than {MAX_DEPTH} deep, which snaploader never "
+            "writes; it was crafted or corrupted"
+        )
+
+
+def check_digest(state: dict[str, Any], where: str = "loader state") -> None:
+    """Raise unless ``state['digest']`` is the digest of the rest (``state`` has a
+    ``workers`` list and a depth already checked)."""
+    workers = state.get("workers")
+    try:
+        expected = digest_of(state, [sha256_of(ledger) for ledger in workers] if isinstance(workers, list) else [])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointFormatError(f"{where} holds something that is not plain data ({exc})") from None
+    if state.get("digest") != expected:
+        raise CheckpointFormatError(
+            f"{where}['digest'] "
+            "does not match the state's contents: the checkpoint was modified or corrupted "
+            "after state_dict() made it. Load an unmodified checkpoint",
+        )
+
+
+def check_user_depth(encoded: Any, where: str) -> None:
+    """Refuse, when a checkpoint is made, a user's state (as encoded) that nests too
+    deep for the checkpoint to load."""
+    if nested_deeper(encoded, _USER_DEPTH):
+        raise StateNotPlainDataError(
+            f"{where} nests dicts, lists and tuples more than {_USER_DEPTH} deep in all (a "
+            f"tuple or a dict with non-str keys counts twice); a checkpoint holds at most "
+            f"{MAX_DEPTH} levels: flatten the state"
+        )
+
+
+def resign(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the loader state ``state`` with its digest computed afresh: what
+    ``load_state_dict(skip=...)`` records, and how a test makes an edited state that
+    only the field checks can refuse."""
+    out = dict(state)
+    out["digest"] = digest_of(out, [sha256_of(ledger) for ledger in out["workers"]])
+    return out
