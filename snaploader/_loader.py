@@ -12,14 +12,15 @@ from typing import Any, Final, TypeVar
 import torch
 import torch.utils.data as torch_data
 
-from ._format.codec import build_state, read_state
+from ._format.codec import build_state, copy_state, read_state
 from ._format.fingerprint import Fingerprint, fingerprint_of
 from ._format.schema import LoaderFacts
 from ._errors import ReplayRefusedError
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.options import Options
-from ._state.ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
+from ._state.ledger import EpochStart, replay_message, replay_without_protocol
+from ._state.published import Publisher
 from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
 from ._epoch.plan import stateful_part
@@ -152,8 +153,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self._rng_census = RngCensus()
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
-        self._pending_state: dict[str, Any] | None = None
-        self._progress: EpochProgress | None = None
+        self._published = Publisher()  # what state_dict() reads
         self._persistent_iter: SnapIterator | None = None
         # Every iterator of this loader still alive (weakly: an iterator dropped by the
         # user must not be kept), so that load_state_dict() can invalidate them.
@@ -239,27 +239,28 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     def __iter__(self) -> SnapIterator:  # type: ignore[override]
         self._warn_pin_memory()
         start = self._next_start()
-        self._pending_state = None
         settings = self._settings()
-        reuse = self._persistent_iter
-        if reuse is not None and not reuse.closed:
-            reuse.start_epoch(start, settings)
-            iterator = reuse
-        else:
-            if self.num_workers > 0:
-                self.check_worker_number_rationality()
-            iterator = SnapIterator(settings, start)
-            if self.persistent_workers:
-                self._persistent_iter = iterator
-            self._iterators.add(iterator)
-        self._progress = iterator.progress
+        # NOTE [ epoch start ] in _state/published.py
+        with self._published.starting(RngSource(self.generator).next_epoch_state) as publish:
+            reuse = self._persistent_iter
+            if reuse is not None and not reuse.closed:
+                reuse.start_epoch(start, settings)
+                iterator = reuse
+            else:
+                if self.num_workers > 0:
+                    self.check_worker_number_rationality()
+                iterator = SnapIterator(settings, start)
+                if self.persistent_workers:
+                    self._persistent_iter = iterator
+                self._iterators.add(iterator)
+            publish(iterator.progress)
         return iterator
 
     def _next_start(self) -> EpochStart:
         if self._pending is not None:
             start, self._pending = self._pending, None
             return start
-        previous = self._progress
+        previous = self._published.progress
         if previous is None:
             return EpochStart(epoch=0)
         return EpochStart.after(previous, self.persistent_workers, self.logical_workers)
@@ -277,10 +278,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             return None
         if self._pending is not None:
             done = self._pending.yielded + self._pending.skip
-        elif self._progress is None or self._progress.ended:
+        elif (progress := self._published.progress) is None or progress.ended:
             done = 0
         else:
-            done = self._progress.yielded
+            done = progress.yielded
         return max(0, total - done)
 
     def _epoch_length(self) -> int | None:
@@ -337,9 +338,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         """Where the stream stands: plain data, O(num_workers) in size, taken without
         talking to a worker. Load it with :meth:`load_state_dict` into a loader built
         with the same arguments, in this process or another."""
-        if self._pending_state is not None:
-            return dict(self._pending_state)
-        return build_state(self._fingerprint(), self._progress, RngSource(self.generator), self.logical_workers)
+        source = RngSource(self.generator)
+        seen = self._published.read(source.next_epoch_state)
+        return build_state(self._fingerprint(), seen, source, self.logical_workers)
 
     def load_state_dict(
         self,
@@ -403,5 +404,4 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         if restore.dataset_state is not None:
             getattr(self.dataset, "load_state_dict")(restore.dataset_state)
         self._pending = restore.start
-        self._pending_state = dict(state)
-        self._progress = None
+        self._published.load(copy_state(state))

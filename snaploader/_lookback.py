@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._format.codec import build_state
 from ._rng.capture import RngSource
+from ._state.published import Seen
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -23,9 +24,9 @@ if TYPE_CHECKING:
 
 def yielded_in_epoch(loader: DataLoader) -> int:
     """Batches ``loader`` has yielded in its current (or last) epoch."""
-    progress = loader._progress
+    progress = loader._published.progress
     if progress is None:
-        pending = loader._pending_state
+        pending = loader._published.loaded
         return 0 if pending is None or pending.get("ended") else int(pending.get("yielded", 0))
     return progress.position.yielded
 
@@ -33,7 +34,7 @@ def yielded_in_epoch(loader: DataLoader) -> int:
 def state_dict_as_of(loader: DataLoader, yielded: int) -> dict[str, Any]:
     """``loader.state_dict()`` as it was when ``yielded`` batches of the current epoch had
     been yielded: the current state, or the one before the last yielded batch."""
-    progress = loader._progress
+    progress = loader._published.progress
     current = yielded_in_epoch(loader)
     if yielded == current:
         return loader.state_dict()
@@ -47,7 +48,8 @@ def state_dict_as_of(loader: DataLoader, yielded: int) -> dict[str, Any]:
         )
     behind = copy.copy(progress)
     behind.position = previous
-    return build_state(loader._fingerprint(), behind, RngSource(loader.generator), loader.logical_workers)
+    seen = Seen(None, behind, previous, None)
+    return build_state(loader._fingerprint(), seen, RngSource(loader.generator), loader.logical_workers)
 
 
 def state_dict_ending_epoch(loader: DataLoader) -> dict[str, Any]:
@@ -55,10 +57,12 @@ def state_dict_ending_epoch(loader: DataLoader) -> dict[str, Any]:
     consumer that stops an epoch after a number of batches (Lightning, which ends an
     epoch after ``num_training_batches`` without asking the loader for one more) resumes
     with the next epoch, as its uninterrupted run does, not with the rest of this one."""
-    progress = loader._progress
+    progress = loader._published.progress
     if progress is None or progress.ended:
         return loader.state_dict()
     ending = copy.copy(progress)
     ending.end()
-    return build_state(loader._fingerprint(), ending, RngSource(loader.generator), loader.logical_workers)
+    source = RngSource(loader.generator)
+    seen = Seen(None, ending, ending.position, source.next_epoch_state())
+    return build_state(loader._fingerprint(), seen, source, loader.logical_workers)
 

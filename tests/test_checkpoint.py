@@ -9,19 +9,20 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils.data import default_collate
+from torch.utils.data import RandomSampler, default_collate
 
 import snaploader
 
 from ._datasets import Augmented
 from ._fuzz import CONFIGS, Case, build_case, check_one
-from ._support import assert_same_stream, generator, mp_helpers, through_bytes  # noqa: F401
+from ._support import assert_same_stream, epochs, generator, mp_helpers, through_bytes  # noqa: F401
 
 _CASES: dict[str, Case] = {}
 
@@ -113,3 +114,76 @@ def test_state_dict_from_another_thread_always_resumes_exactly(num_workers: int)
         resumed.load_state_dict(state)
         rest = [] if ended else list(resumed)
         assert_same_stream(rest, expected[yielded:], f"resumed at {yielded}")
+
+
+class _PausingShuffle(RandomSampler):
+    """A RandomSampler that calls ``pause`` before drawing its permutation: iter() is
+    then between the base seed's draw and the permutation's while it runs."""
+
+    def __init__(self, dataset: Augmented, source: torch.Generator, pause: Callable[[], None]) -> None:
+        super().__init__(dataset, generator=source)
+        self.pause = pause
+
+    def __iter__(self) -> Iterator[int]:
+        self.pause()
+        yield from super().__iter__()
+
+
+def _boundary_loader(
+    num_workers: int, persistent: bool, seed: int, pause: Callable[[], None] = lambda: None
+) -> snaploader.DataLoader:
+    dataset = Augmented(8)
+    source = generator(seed)
+    return snaploader.DataLoader(
+        dataset, batch_size=2, sampler=_PausingShuffle(dataset, source, pause), num_workers=num_workers,
+        persistent_workers=persistent, generator=source,
+    )
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_state_dict_from_another_thread_at_epoch_starts_resumes_exactly(
+    num_workers: int, persistent: bool
+) -> None:
+    # NOTE [ epoch start ]: while iter() draws the next epoch's base seed and
+    # permutation, the state says "epoch ended" and must carry the generator's state
+    # from before those draws, never after some of them.
+    expected = epochs(_boundary_loader(num_workers, persistent, 1), 4)
+    taken: dict[tuple[Any, ...], dict[str, Any]] = {}
+    stop, last_end, took = threading.Event(), threading.Event(), threading.Event()
+
+    def pause() -> None:
+        for _ in range(2):  # the second state is read wholly after the base seed's draw
+            took.clear()
+            took.wait(5.0)
+
+    loader = _boundary_loader(num_workers, persistent, 1, pause)
+
+    def hammer() -> None:
+        while not stop.is_set():
+            state = loader.state_dict()
+            # one state per position (not per digest: the self-check's digests change too)
+            taken.setdefault((state["epoch"], state["ended"], state["yielded"], state["rng_next"]), state)
+            took.set()
+            if state["epoch"] == 2 and state["ended"]:
+                last_end.set()
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        got = epochs(loader, 3)
+        last_end.wait(5.0)
+    finally:
+        stop.set()
+        thread.join()
+    assert_same_stream(sum(got, []), sum(expected[:3], []))
+    at_start = [s for s in taken.values() if s["ended"] or s["yielded"] == 0]
+    assert {s["epoch"] for s in at_start if s["ended"]} >= {0, 1, 2}, "every boundary should be caught"
+    for state in at_start + [s for s in taken.values() if s["yielded"] == 1][:2]:
+        epoch = state["epoch"] + 1 if state["ended"] else state["epoch"]
+        rest = [] if state["ended"] else expected[epoch][state["yielded"] :]
+        resumed = _boundary_loader(num_workers, persistent, 99)  # its own generator is overwritten
+        resumed.load_state_dict(state)
+        where = f"resumed from epoch {state['epoch']}, {state['yielded']} yielded, ended {state['ended']}"
+        got_rest = [] if state["ended"] else list(resumed)
+        assert_same_stream(got_rest, rest, where)
+        assert_same_stream(list(resumed), expected[epoch + 1] if not state["ended"] else expected[epoch], where + ": next epoch")

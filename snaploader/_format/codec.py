@@ -68,7 +68,8 @@ from .fingerprint import Fingerprint, check_fingerprint
 from .parse import parse
 from .schema import LoaderFacts, check_consistent
 from .._errors import CheckpointFormatError
-from .._state.ledger import EpochProgress, EpochStart, Position, WorkerLedger
+from .._state.ledger import EpochStart, WorkerLedger
+from .._state.published import Seen
 from .._state.records import Snapshot
 from .._rng.capture import RngSource, rng_bytes
 from .._rng.twist import expand_for, has_codes
@@ -136,25 +137,30 @@ def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any],
     return entry
 
 
-def _copy(value: Any) -> Any:
-    # The cached ledger must not be handed out: a caller editing its state would edit it.
+def copy_state(value: Any) -> Any:
+    """A copy of plain data (a checkpoint) sharing no dict or list with ``value``: what a
+    loader hands out never changes when the loader goes on, nor what it keeps when the
+    caller edits what it was given (an async checkpoint writer relies on the first)."""
     if isinstance(value, dict):
-        return {key: _copy(item) for key, item in value.items()}
+        return {key: copy_state(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_copy(item) for item in value]
+        return [copy_state(item) for item in value]
     return value
 
 
-def build_state(
-    fingerprint: Fingerprint, progress: EpochProgress | None, source: RngSource, logical: int
-) -> dict[str, Any]:
+def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical: int) -> dict[str, Any]:
     """The checkpoint of a loader of ``logical`` logical workers whose current (or
-    last) epoch is ``progress``. Reads ``progress.position`` once, so it is consistent
-    from any thread."""
+    last) epoch is ``seen.progress``, at ``seen.position``; with ``seen.rng_next``, the
+    state ``source``'s next epoch draws from, when the epoch has ended (both read
+    together by ``Publisher.read``: NOTE [ epoch start ] in _state/published.py); or
+    a copy of ``seen.loaded``, the checkpoint loaded and not yet started."""
+    if seen.loaded is not None:
+        return copy_state(seen.loaded)
+    progress, position = seen.progress, seen.position
     state: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
-        "fingerprint": dict(fingerprint.values),
+        "fingerprint": copy_state(dict(fingerprint.values)),
         "rng_kind": source.kind,
     }
     ledgers: list[tuple[dict[str, Any], str]] = []
@@ -166,7 +172,7 @@ def build_state(
             skip=0, logical_workers=logical, in_order=True,
         )
     else:
-        position: Position = progress.position
+        position = progress.position if position is None else position
         sampler_state = position.sampler_state
         if sampler_state is not None:
             _plain.check_plain(sampler_state["state"], "the sampler's state_dict()")
@@ -192,11 +198,10 @@ def build_state(
             None if entry is None else {"produced": entry[0], "digest": entry[1]}
             for entry in progress.next_digests()
         ]
-    state["rng_next"] = (
-        _plain.b64(source.get_state()) if state["ended"] and source.generator is not None else None
-    )
+    rng_next = seen.rng_next
+    state["rng_next"] = _plain.b64(rng_next) if state["ended"] and rng_next is not None else None
     state["next_batches"] = next_batches
-    state["workers"] = [_copy(plain) for plain, _ in ledgers]
+    state["workers"] = [copy_state(plain) for plain, _ in ledgers]
     state["digest"] = digest_of(state, [digest for _, digest in ledgers])
     return state
 

@@ -230,6 +230,12 @@ class RngSource:
         state = torch.get_rng_state() if self.generator is None else self.generator.get_state()
         return pack_torch_state(torch_state_bytes(state))
 
+    def next_epoch_state(self) -> bytes | None:
+        """What a checkpoint between epochs keeps of the source (``rng_next``): the
+        generator's state; None for torch's global RNG, which belongs to the training
+        loop."""
+        return None if self.generator is None else self.get_state()
+
     @staticmethod
     def check_state(state: bytes) -> None:
         """Raise ValueError unless ``state`` (from :meth:`get_state`) is one torch accepts."""

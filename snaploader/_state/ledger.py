@@ -10,7 +10,7 @@ batches are simply produced again on restore, from those snapshots, identically.
 ``state_dict()`` may be called from any thread (async checkpointing does): the ledgers
 are immutable, and each step of the epoch publishes a new :class:`Position` with one
 attribute assignment, so a reader sees the position before a batch or after it, never
-half of each.
+half of each. Between epochs the loader publishes the same way (``_state/published.py``).
 """
 
 from __future__ import annotations

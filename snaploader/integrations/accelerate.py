@@ -243,7 +243,7 @@ def _sharded(accelerator: Accelerator, loader: DataLoader) -> DataLoader:
             "its part; prepare() would shard that part again. Build the loader as for one "
             "process (shuffle=True or your own sampler) and let prepare() shard it"
         )
-    if loader._progress is not None or loader._pending_state is not None:
+    if loader._published.progress is not None or loader._published.loaded is not None:
         raise ValueError(
             "prepare() was given a loader that was already iterated or loaded from a state; "
             "with several processes it builds a new, sharded loader from the arguments, "

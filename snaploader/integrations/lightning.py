@@ -77,7 +77,7 @@ class ExactResume(Callback):
             return
         loader = loaders[0]
         yielded = yielded_in_epoch(loader)
-        ended = loader._progress is None or loader._progress.ended
+        ended = loader._published.progress is None or loader._published.progress.ended
         consumed = yielded - 1 if _no_length(loader) and not ended and yielded > 0 else yielded
         # One stateful loader, so Lightning stored one state: the loader's own.
         if consumed >= trainer.num_training_batches and not ended:
