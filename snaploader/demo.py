@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def digest(batch: torch.Tensor) -> str:
 
 def trainer(kind: str, workdir: Path, kill_worker: bool) -> None:
     """Train, logging each batch digest; checkpoint every few steps; resume if a
-    checkpoint exists. The log is cut back to what the checkpoint covers on restart."""
+    checkpoint exists (the parent has cut the log back to what it covers)."""
     warnings.simplefilter("ignore", UserWarning)
     ckpt_path, log_path = workdir / f"{kind}.ckpt", workdir / f"{kind}.log"
     loader = make_loader(kind)
@@ -86,8 +87,6 @@ def trainer(kind: str, workdir: Path, kill_worker: bool) -> None:
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=True)
         start_epoch, start_step, logged = ckpt["epoch"], ckpt["step"], ckpt["logged"]
-        lines = log_path.read_text().splitlines()[:logged]
-        log_path.write_text("".join(line + "\n" for line in lines))
         if kind == "snaploader":
             loader.load_state_dict(ckpt["loader"])
     log = log_path.open("a")
@@ -143,7 +142,35 @@ def _bar(done: int, total: int, width: int = 24) -> str:
     return "#" * filled + "." * (width - filled)
 
 
-def _watch(proc: subprocess.Popen[str], log_path: Path, label: str, stop_at: tuple[int, int] | None) -> list[str]:
+@dataclass(frozen=True)
+class _Restart:
+    """Where the restarted trainer stands against the killed one: the log lines its
+    checkpoint covers, and the log lines the killed run had reached."""
+
+    covered: int
+    reached: int
+
+
+def _progress(lines: list[str], restart: _Restart | None) -> tuple[int, str]:
+    """(batches for the bar, the text) for a log of ``lines``. After a restart the
+    display never goes back: the steps between the checkpoint and the kill are shown
+    as redone, and the bar stays where the killed run had taken it."""
+    done = len(lines) if restart is None else max(len(lines), restart.reached)
+    if restart is not None and len(lines) <= restart.covered:
+        return done, "resuming from the checkpoint"
+    if not lines:
+        return done, "starting"
+    epoch, step = lines[-1].split()[:2]
+    text = f"epoch {epoch} step {int(step) + 1:2d}/{_STEPS}"
+    if restart is not None and len(lines) <= restart.reached:
+        text += " (redone: it came after the checkpoint)"
+    return done, text
+
+
+def _watch(
+    proc: subprocess.Popen[str], log_path: Path, label: str, stop_at: tuple[int, int] | None,
+    restart: _Restart | None = None,
+) -> list[str]:
     """Show progress from the log; SIGKILL the trainer once it logs ``stop_at``."""
     notes: list[str] = []
     total = _EPOCHS * _STEPS
@@ -154,9 +181,9 @@ def _watch(proc: subprocess.Popen[str], log_path: Path, label: str, stop_at: tup
     while True:
         lines = log_path.read_text().splitlines() if log_path.exists() else []
         last = lines[-1].split() if lines else None
-        shown = f"epoch {last[0]} step {int(last[1]) + 1:2d}/{_STEPS}" if last else "starting"
+        done, shown = _progress(lines, restart)
         if shown != shown_before:
-            line = f"  {label:<14} [{_bar(len(lines), total)}] {shown}"
+            line = f"  {label:<14} [{_bar(done, total)}] {shown}"
             print(f"\r{line}   " if tty else line, end="" if tty else "\n", flush=True)
             shown_before = shown
         for out in iter(proc.stdout.readline, ""):
@@ -183,10 +210,15 @@ def scenario(kind: str, workdir: Path) -> tuple[int, int, list[str]]:
     first = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     notes = _watch(first, workdir / f"{kind}.log", "first run", _KILL_AT)
     ckpt = torch.load(workdir / f"{kind}.ckpt", weights_only=True)
-    print(f"  restarting from the checkpoint at epoch {ckpt['epoch']} step {ckpt['step']} "
-          f"(batches after it are redone)")
+    log_path = workdir / f"{kind}.log"
+    lines = log_path.read_text().splitlines()
+    restart = _Restart(covered=ckpt["logged"], reached=len(lines))
+    # What the checkpoint does not cover is lost with the killed process.
+    log_path.write_text("".join(line + "\n" for line in lines[: restart.covered]))
+    print(f"  restarting from the checkpoint at epoch {ckpt['epoch']} step {ckpt['step']}: "
+          f"the {restart.reached - restart.covered} step(s) after it are redone")
     second = subprocess.Popen(command + ["--kill-worker"], stdout=subprocess.PIPE, text=True)
-    notes += _watch(second, workdir / f"{kind}.log", "after restart", None)
+    notes += _watch(second, log_path, "after restart", None, restart)
     got = [line.split()[2] for line in (workdir / f"{kind}.log").read_text().splitlines()]
     want = reference(kind)
     differing = sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))

@@ -335,8 +335,8 @@ def replay_message(
         )
     return (
         f"an exact resume of {name} replays {total} batch(es) from the epoch start, "
-        f"reading and discarding them; to avoid it, {fix} (replay='allow' silences this "
-        f"warning)\n"
+        f"reading and discarding them; to avoid it, {fix}; replay='allow' silences this "
+        "warning\n"
         f"Per worker: {per_worker}. It replays {why}. replay='refuse' raises "
         "ReplayRefusedError instead."
     )
