@@ -20,9 +20,10 @@ class CheckpointMismatchError(ValueError):
 
 
 class WorkerCrashedError(RuntimeError):
-    """A worker process died again and again on the same batch (a poison sample) and
-    the retry budget ran out. The message names the worker, the signal or exit code,
-    the batch, its sample indices and the likely cause."""
+    """A worker process died again and again on the same batch (a poison sample), or
+    again and again without producing a batch, and the retry budget ran out; or it
+    could not start at all. The message names the worker, the signal or exit code,
+    the batch or the phase, and the likely cause."""
 
 
 class ReplayRefusedError(RuntimeError):

@@ -19,10 +19,11 @@ Kill storms (``--storm``, and the last runs of ``--quick``): for the first secon
 a run the killer sends SIGKILL or SIGSEGV every 10-80 ms under fork (every 1-3 s under
 spawn, where a respawn takes seconds), without waiting for the loop to receive a batch
 in between, so workers die idle, while starting, while restoring their snapshot and
-while fetching. Those runs keep the default ``max_worker_retries``: only deaths while
-a batch is being fetched count against it. A storm may still kill one batch's fetch
-more than ``max_worker_retries`` times in a row, which to the loader is a poison
-sample: it gives up with ``WorkerCrashedError``. The run then does what its message
+while fetching. Those runs keep the default ``max_worker_retries``. A storm may kill
+one batch's fetch more than ``max_worker_retries`` times in a row, which to the loader
+is a poison sample, or one worker process ``max_worker_retries + 1`` times in a row
+before it delivers a result (NOTE [ restart storms ]): it gives up with
+``WorkerCrashedError``. The run then does what its message
 tells a user to do: ``state_dict()``, a new loader, ``load_state_dict()``, go on; the
 epoch's batches before and after must still be the uninterrupted epoch's. The number
 of such give-ups is reported (``give_ups=N``); a storm run with more than 10 fails.

@@ -23,6 +23,8 @@ import functools
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -336,46 +338,118 @@ def test_batch_that_fails_to_unpickle_in_main_is_the_users_error(context: str) -
 # -- deaths the dataset does not cause ----------------------------------------------------
 
 
+class _StartKiller:
+    """Kills worker 1 in its worker_init_fn (announced by fds.slow_start), ``kills``
+    times at most, from a thread."""
+
+    def __init__(self, starts: Path, kills: int) -> None:
+        self.starts, self.kills = starts, kills
+        self.killed: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        seen: set[str] = set()
+        while len(self.killed) < self.kills and not self.stop.is_set():
+            for name in sorted(set(os.listdir(self.starts)) - seen):
+                seen.add(name)
+                pid, worker = map(int, name.split("-"))
+                if worker == 1 and len(self.killed) < self.kills:
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed.append(pid)
+            time.sleep(0.005)
+
+    def __enter__(self) -> _StartKiller:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 @pytest.mark.parametrize("context,kills", [("fork", 3), ("spawn", 1)])
-def test_deaths_before_a_batch_starts_never_count(tmp_path: Path, context: str, kills: int) -> None:
+def test_deaths_before_a_batch_starts_never_count_against_a_batch(tmp_path: Path, context: str, kills: int) -> None:
     """Worker 1 is killed while starting up (in worker_init_fn), again and again, with
-    its first batch outstanding: with max_worker_retries=0 the run still completes,
-    because none of these deaths happened while a batch was being fetched."""
+    its first batch outstanding: while the deaths stay within max_worker_retries the run
+    completes and no batch is blamed, and every respawn is announced with its count."""
     want = reference("map", False, 1)[0]
     starts = tmp_path / "starts"
     starts.mkdir()
     init = functools.partial(fds.slow_start, str(starts), 0.3)
-    loader = make_loader(fds.MapFaults(N), context, False, max_worker_retries=0, worker_init_fn=init)
-    killed: list[int] = []
-    stop = threading.Event()
-
-    def kill_starting_worker_1() -> None:
-        seen: set[str] = set()
-        while len(killed) < kills and not stop.is_set():
-            for name in sorted(set(os.listdir(starts)) - seen):
-                seen.add(name)
-                pid, worker = map(int, name.split("-"))
-                if worker == 1 and len(killed) < kills:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-            time.sleep(0.005)
-
-    killer = threading.Thread(target=kill_starting_worker_1)
-    with warnings.catch_warnings(record=True) as caught:
+    loader = make_loader(fds.MapFaults(N), context, False, max_worker_retries=kills, worker_init_fn=init)
+    with warnings.catch_warnings(record=True) as caught, _StartKiller(starts, kills) as killer:
         warnings.simplefilter("always")
-        killer.start()
-        try:
-            got = run(loader, 1)
-        finally:
-            stop.set()
-            killer.join()
-    assert len(killed) == kills
+        got = run(loader, 1)
+    assert len(killer.killed) == kills
     assert_same_stream(got, [want])
     messages = respawn_warnings(caught)
     assert len(messages) == kills, messages
-    for pid, message in zip(killed, messages):
-        assert f"worker 1 (pid {pid}) was killed by SIGKILL while starting or restoring, before batch 1 " in message
+    for death, (pid, message) in enumerate(zip(killer.killed, messages), 1):
+        assert f"worker 1 (pid {pid}) was killed by SIGKILL while starting (in worker_init_fn or its set-up), before batch 1 " in message
+        assert f"death {death} in a row without a batch, of at most {kills + 1}" in message
         assert "not counted against any batch" in message
+
+
+def test_a_worker_that_dies_at_every_start_ends_in_an_error_and_resumes_at_the_next_batch(tmp_path: Path) -> None:
+    """A node whose OOM killer takes every starting worker must not hang the run: after
+    max_worker_retries + 1 deaths in a row without a batch, WorkerCrashedError names the
+    phase, the signal and the likely cause; state_dict() then resumes at the next batch."""
+    want = reference("map", False, 1)[0]
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    init = functools.partial(fds.slow_start, str(starts), 0.3)
+    loader = make_loader(fds.MapFaults(N), "fork", False, max_worker_retries=2, worker_init_fn=init)
+    got = []
+    with warnings.catch_warnings(record=True) as caught, _StartKiller(starts, 1000) as killer:
+        warnings.simplefilter("always")
+        it = iter(loader)
+        with pytest.raises(WorkerCrashedError) as excinfo:
+            for batch in it:
+                got.append(batch)
+    assert len(killer.killed) == 3
+    message = str(excinfo.value)
+    assert message.startswith("DataLoader worker (pid ")
+    assert f"worker 1 (pid {killer.killed[-1]}) was killed by SIGKILL while starting (in worker_init_fn or its set-up)" in message
+    assert "out-of-memory killer" in message
+    assert "3 times in a row without producing a batch" in message
+    assert "max_worker_retries=2" in message
+    assert "state_dict() resumes at the next batch" in message
+    assert len(respawn_warnings(caught)) == 2
+    assert_same_batches(got, want[:1])  # worker 0's batch 0; batch 1 was worker 1's
+    state = loader.state_dict()
+    resumed = make_loader(fds.MapFaults(N), "fork", False)
+    resumed.load_state_dict(state)
+    assert_same_stream(run(resumed, 1), [want[1:]])
+
+
+_NO_MAIN_GUARD = """
+import torch, snaploader
+loader = snaploader.DataLoader(torch.arange(8), batch_size=2, num_workers=2,
+                               multiprocessing_context={context!r})
+print(list(loader))
+"""
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_a_script_without_the_main_guard_fails_at_the_first_start_with_the_hint(tmp_path: Path, context: str) -> None:
+    """Under spawn or forkserver a worker imports the main module again; without the
+    ``if __name__ == "__main__":`` guard it cannot start. Like torch, that fails at the
+    first attempt (no respawns), and the error says what the fix is."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(_NO_MAIN_GUARD.format(context=context))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=env)
+    assert done.returncode != 0
+    assert "WorkerCrashedError" in done.stderr
+    tail = done.stderr[done.stderr.rindex("WorkerCrashedError"):]
+    assert "exited unexpectedly" in tail
+    assert "before it could start" in tail
+    assert 'if __name__ == "__main__":' in tail
+    assert "WorkerRespawnedWarning" not in done.stderr
+    # one bootstrap failure per worker process, none from a respawn
+    assert done.stderr.count("An attempt has been made to start a new process") <= 2
 
 
 

@@ -50,6 +50,17 @@ _NEVER_STARTED: Final = (
 )
 
 
+# Python's own words for the missing guard (multiprocessing's bootstrapping error),
+# which torch's users know from its DataLoader under spawn.
+NO_MAIN_GUARD: Final = (
+    "This probably means that you are not using fork to start your child processes "
+    "and you have forgotten to use the proper idiom in the main module: "
+    'if __name__ == "__main__": ... (under spawn or forkserver each worker imports the '
+    "main module again, and a loader built at its top level starts workers of its own). "
+    "Its stderr above says why it failed"
+)
+
+
 def likely_cause(exitcode: int | None, messages: int) -> str:
     """The usual reason a worker ends with ``exitcode`` after sending ``messages``
     results, as " (...)" to append to a message, or "" when there is none to give."""

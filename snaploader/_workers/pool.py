@@ -26,7 +26,8 @@
 - :class:`FetchMarks`: one int per process in shared memory that the worker sets to the
   key of the task it is fetching and clears after, so that the main process knows,
   when a worker has died, whether it died fetching a batch (which then counts against
-  that batch) or idle, starting up or restoring (which never does).
+  that batch) or in another phase (idle, starting up, restoring: which never does), or
+  before it could start at all (it never reached the worker's entry point).
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ def remove_shm_left_by(pid: int) -> None:
 
 class FetchMarks:
     """One int64 per worker process (by its index in the pool), shared with the workers:
-    the key of the task that process is fetching, or :attr:`IDLE`.
+    the key of the task that process is fetching (>= 0), or the phase it is in:
+    :attr:`UNSTARTED` (set by :meth:`Pool.start`; the worker has not reached its entry
+    point), :attr:`STARTING` (its set-up and ``worker_init_fn``), :attr:`RESTORING`,
+    :attr:`IDLE`.
 
     A worker writes it right before and right after each fetch (two stores into shared
     memory, well under a microsecond a batch); the main process reads it only after the
@@ -100,6 +104,9 @@ class FetchMarks:
     """
 
     IDLE: Final = -1
+    STARTING: Final = -2
+    UNSTARTED: Final = -3
+    RESTORING: Final = -4
 
     def __init__(self, count: int, shareable: bool, fd: int | None = None) -> None:
         self.count = count
@@ -288,7 +295,7 @@ class Pool:
                 if pool.owner_pid == os.getpid():
                     fds += pool.pipe_fds()
             inherited = Inherited(tuple(fds), frozenset(_WORKER_PIDS))
-        self.marks.set(index, FetchMarks.IDLE)
+        self.marks.set(index, FetchMarks.UNSTARTED)
         child = self.context.Process(  # type: ignore[attr-defined]
             target=self.target,
             args=(*self.make_args(index), task_recv, result_send, os.getpid(), inherited, self.marks),

@@ -123,6 +123,8 @@ def worker_main(
 ) -> None:
     """Entry point of worker process ``process`` (its index in the pool), hosting the
     logical workers ``hosted`` of ``logical`` (see the module docstring for the protocol)."""
+    # From here on a death is not a failure to start (_workers/process_runner.py).
+    marks.set(process, FetchMarks.STARTING)
     # Ctrl-C reaches the whole process group; the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Under fork: the main process's pipe ends and received batches (NOTE [ inherited fds ]).
@@ -130,6 +132,7 @@ def worker_main(
     torch.utils.data._utils.signal_handling._set_worker_signal_handlers()
     torch.set_num_threads(1)
     host = Host(setup, hosted)
+    marks.set(process, FetchMarks.IDLE)
     # Under forkserver our parent process is the fork server, not the main process
     # (parent_pid): the watchdog checks that neither has gone.
     spawner_pid = os.getppid()
@@ -179,7 +182,9 @@ def worker_main(
         if isinstance(msg, bytes):
             msg = pickle.loads(msg)  # a Resume, sent by value (_workers/process_runner.py)
         if isinstance(msg, Resume):
+            marks.set(process, FetchMarks.RESTORING)
             runtime.resume(msg)
+            marks.set(process, FetchMarks.IDLE)
             continue
         # Only a death between these two marks counts against this batch (_workers/process_runner.py).
         marks.set(process, fetch_mark(msg.key, worker, logical))

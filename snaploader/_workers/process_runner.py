@@ -49,8 +49,8 @@ import cloudpickle
 
 from .._errors import WorkerCrashedError, WorkerRespawnedWarning, short_indices, user_stacklevel
 from .._state.ledger import EpochProgress, resume_after
-from .exits import describe_exit, likely_cause, torch_wording
-from .pool import Pool, WorkerProcess
+from .exits import NO_MAIN_GUARD, describe_exit, likely_cause, torch_wording
+from .pool import FetchMarks, Pool, WorkerProcess
 from .process_main import copy_setup, fetch_mark, worker_main
 from .messages import (
     Kind,
@@ -65,9 +65,15 @@ from .messages import (
 from .._state.records import Resume
 from .runner import Runner, RunnerClosed
 
-# NOTE [ restart storms ]: deaths that are not a batch's fault (killed idle, or while
-# starting or restoring) never end the run; repeated ones of a slot that has delivered
-# nothing since are spaced out, from _BACKOFF_FIRST_S doubling up to _BACKOFF_MAX_S.
+# NOTE [ restart storms ]: a death that is not a batch's fault (killed idle, or while
+# starting or restoring) counts against no batch, but a process that dies again and
+# again without delivering a result would be respawned forever (an OOM killer that
+# takes every restoring worker): max_worker_retries + 1 deaths of one process in a row
+# without a result end the run, raised when the next batch of a logical worker it hosts
+# is due (as a poison batch is). Repeated deaths are spaced out, from _BACKOFF_FIRST_S
+# doubling up to _BACKOFF_MAX_S. A process that exits with a code before reaching its
+# entry point cannot start at all (under spawn, a main module without the __main__
+# guard): that fails at once, as in torch.
 _BACKOFF_FIRST_S: Final = 0.05
 _BACKOFF_MAX_S: Final = 2.0
 # How long a result that failed to unpickle waits for its sender to be seen dead
@@ -106,11 +112,11 @@ class ProcessRunner(Runner):
         self.iterable = setup.iterable
         self.timeout_s = timeout_s
         self.max_retries = max_retries
-        # Deaths per (epoch, slot, batch) while that batch was being fetched, and per
-        # (epoch, slot, None) of a worker that exited by itself before taking a task:
-        # only these lead to a verdict.
-        self.crashes: dict[tuple[int, int, int | None], int] = {}
-        self.storm = [0] * self.processes  # deaths per process since it last delivered a result
+        # Deaths per (epoch, slot, batch) while that batch was being fetched: the poison
+        # batch verdict (NOTE [ poison batch ]).
+        self.crashes: dict[tuple[int, int, int], int] = {}
+        # Deaths per process since it last delivered a result (NOTE [ restart storms ]).
+        self.storm = [0] * self.processes
         # process: (when, what happened for the warning or "" for none, the retry count)
         self.respawn_due: dict[int, tuple[float, str, str]] = {}
         self.fd_budget = _fd_budget()
@@ -336,28 +342,52 @@ class ProcessRunner(Runner):
         at = next((i for i, (w, t) in enumerate(unanswered) if fetch_mark(t.key, w, self.count) == mark), 0)
         slot, task = unanswered[at] if unanswered else (self.hosted[process][0], None)
         fetching = task is not None and mark == fetch_mark(task.key, slot, self.count)
-        what = self._describe(slot, task, fetching)
-        if fetching or (exitcode or 0) > 0:
-            # A worker that exits with a code before taking a task killed itself (an
-            # import that fails under spawn, os._exit in worker_init_fn): that repeats.
-            key = (self.epoch, slot, task.key if fetching and task is not None else None)
+        what = self._describe(slot, task, fetching, mark)
+        head = f"{torch_wording(worker.pid, exitcode)} {self._name(slot)} (pid {worker.pid}) {how} while {what}"
+        self.storm[process] += 1
+        storm, most = self.storm[process], self.max_retries + 1
+        if mark == FetchMarks.UNSTARTED and (exitcode or 0) > 0:
+            self._fail_process(process, WorkerCrashedError(
+                f"{head}; a worker that cannot start is not respawned. {NO_MAIN_GUARD}"
+            ))
+            return
+        if fetching and task is not None:
+            key = (self.epoch, slot, task.key)
             self.crashes[key] = self.crashes.get(key, 0) + 1
             if self.crashes[key] > self.max_retries:
-                self._give_up(worker, slot, what, how, cause, self.crashes[key], task if fetching else None)
+                self._give_up(worker, slot, what, how, cause, self.crashes[key], task)
                 hosted = [self.slots[w] for w in self.hosted[process]]
                 if all(state.failed is not None and not state.outstanding for state in hosted):
                     return  # nothing more is asked of this process
             retry = f"retry {self.crashes[key]} of {self.max_retries}"
         else:
             retry = "not counted against any batch (it had not started one)"
-        self.storm[process] += 1
+            if storm >= most:
+                self._fail_process(process, WorkerCrashedError(
+                    f"{head}{cause}, {storm} times in a row without producing a batch; gave up "
+                    f"after {storm - 1} respawn(s) (at most max_worker_retries + 1 deaths of a "
+                    f"process between two of its results, max_worker_retries={self.max_retries}). "
+                    "state_dict() resumes at the next batch"
+                ))
+                return
+        retry = f"{retry}; death {storm} in a row without a batch, of at most {most}"
         delay_s = 0.0
-        if self.storm[process] > 1:
-            delay_s = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (self.storm[process] - 2))
+        if storm > 1:
+            delay_s = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (storm - 2))
         said = "" if self.slots[slot].failed is not None else f"{self._name(slot)} (pid {worker.pid}) {how} while {what}{cause}"
         self.respawn_due[process] = (time.monotonic() + delay_s, said, retry)
         if delay_s == 0:
             self._respawn_when_due()
+
+    def _fail_process(self, process: int, error: WorkerCrashedError) -> None:
+        """Respawn ``process`` no more: each logical worker it hosts raises ``error``
+        when its next batch is due (every batch before it is still yielded, so
+        state_dict() then resumes at that batch), and owes nothing more."""
+        for slot in self.hosted[process]:
+            state = self.slots[slot]
+            state.failed = error
+            state.outstanding.clear()
+        self.order[process].clear()
 
     def _name(self, slot: int) -> str:
         if self.processes == self.count:
@@ -365,20 +395,16 @@ class ProcessRunner(Runner):
         return f"worker process {slot % self.processes} (hosting logical worker {slot})"
 
     def _give_up(
-        self, worker: WorkerProcess, slot: int, what: str, how: str, cause: str, times: int,
-        task: Task | None,
+        self, worker: WorkerProcess, slot: int, what: str, how: str, cause: str, times: int, task: Task
     ) -> None:
         retries = self.max_retries
         error = WorkerCrashedError(
             f"{torch_wording(worker.pid, worker.process.exitcode)} "
             f"{self._name(slot)} (pid {worker.pid}) {how} while {what}{cause}, {times} times in "
             f"a row; gave up after {retries} respawn(s) (max_worker_retries={retries}). "
-            + ("The batch likely holds a sample that crashes the dataset code; "
-               "state_dict() still resumes at this batch" if task is not None else
-               "The worker cannot start")
+            "The batch likely holds a sample that crashes the dataset code; "
+            "state_dict() still resumes at this batch"
         )
-        if task is None:
-            raise error
         # NOTE [ poison batch ]: raise when the failed batch is due (next_result), not
         # now, so that every batch before it is still yielded and state_dict() then
         # points at it. Only the tasks before it are produced again, by a new process,
@@ -418,11 +444,20 @@ class ProcessRunner(Runner):
                     stacklevel=user_stacklevel(),
                 )
 
-    def _describe(self, slot: int, task: Task | None, fetching: bool) -> str:
+    def _describe(self, slot: int, task: Task | None, fetching: bool, mark: int) -> str:
+        phase = _PHASES.get(mark, "idle")
         if task is None:
-            return f"idle in epoch {self.epoch}"
+            return f"{phase} in epoch {self.epoch}"
         if self.iterable:
             batch = f"its batch {task.key} of epoch {self.epoch}"
         else:
             batch = f"batch {task.key} of epoch {self.epoch} (sample indices {short_indices(task.indices)})"
-        return f"loading {batch}" if fetching else f"starting or restoring, before {batch}"
+        return f"loading {batch}" if fetching else f"{phase}, before {batch}"
+
+
+_PHASES: Final = {
+    FetchMarks.UNSTARTED: "being started (it died before it could start: no worker code ran)",
+    FetchMarks.STARTING: "starting (in worker_init_fn or its set-up)",
+    FetchMarks.RESTORING: "restoring its snapshot",
+    FetchMarks.IDLE: "idle",
+}
