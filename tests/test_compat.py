@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 import snaploader
-from snaploader._layout import READABLE_VERSIONS, VERSION
+from snaploader._format.checkpoint import READABLE_VERSIONS, VERSION
 
 FIXTURES = Path(__file__).with_name("checkpoints")
 

@@ -29,7 +29,7 @@ import torch
 import snaploader
 import snaploader.distributed
 from snaploader import _errors
-from snaploader._layout import READABLE_VERSIONS, VERSION
+from snaploader._format.checkpoint import READABLE_VERSIONS, VERSION
 
 from .test_docs import DOCS, ROOT, _Runner, blocks
 
