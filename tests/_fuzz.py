@@ -24,7 +24,7 @@ from snaploader import _layout
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream
 from ._object_datasets import OwnGenerators, reseed_own
-from ._support import assert_same_stream, cut_state, generator
+from ._streams import assert_same_stream, cut_state, generator
 
 CLEAR = (snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError)
 
