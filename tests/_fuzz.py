@@ -27,7 +27,7 @@ from snaploader._rng.kinds import parse as parse_objects
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream
 from ._object_datasets import OwnGenerators, reseed_own
-from ._support import assert_same_stream, cut_state, generator
+from ._streams import assert_same_stream, cut_state, generator
 
 CLEAR = (snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError)
 

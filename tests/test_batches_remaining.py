@@ -13,7 +13,7 @@ from torch.utils.data import Sampler
 import snaploader
 
 from ._datasets import Range
-from ._iterable_datasets import PlainStream
+from ._iterable_datasets import MisreportedLength, PlainStream
 from ._support import generator, take, through_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -40,6 +40,17 @@ def test_counts_down_through_an_epoch_and_restarts_at_the_next(num_workers: int,
         seen.append(loader.batches_remaining())
     assert seen == list(range(per_epoch - 1, -1, -1))
     assert loader.batches_remaining() == per_epoch  # the epoch ended: the next is whole
+
+
+def test_persistent_workers_count_each_epoch_afresh() -> None:
+    loader = make(2, persistent_workers=True)
+    for _ in range(2):
+        it = iter(loader)
+        take(it, 4)
+        assert loader.batches_remaining() == 2
+        assert len(list(it)) == 2
+        assert loader.batches_remaining() == 6
+    del it
 
 
 @pytest.mark.parametrize("restore_workers", [0, 2])
@@ -105,6 +116,9 @@ def test_unknown_for_iterable_datasets_and_unsized_samplers(num_workers: int) ->
     next(it)
     assert stream.batches_remaining() is None
     del it
+    # even with a __len__: how many batches the workers' shards make is known at the end
+    sized_stream = snaploader.DataLoader(MisreportedLength(12, 12), batch_size=4, num_workers=num_workers)
+    assert len(sized_stream) == 3 and sized_stream.batches_remaining() is None
     unsized = snaploader.DataLoader(Range(N_ITEMS), batch_size=4, sampler=_Unsized(), num_workers=num_workers)
     assert unsized.batches_remaining() is None
     assert len(list(unsized)) == 6

@@ -219,3 +219,19 @@ def test_a_quoted_message_is_what_the_code_says(quote: Quote, tmp_path: Path, ru
     assert _normal(produced) == _normal(quote.text), (
         f"{quote.where} quotes\n{quote.text}\nbut the code says\n{produced}"
     )
+
+
+# -- the README's account of CI -------------------------------------------------------------
+
+
+def test_ci_leaves_the_checkouts_venv_alone_and_the_readme_names_its_own() -> None:
+    script = (ROOT / ".ci" / "run").read_text()
+    commands = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
+    assert not re.search(r"(^|[\s\"'=/])\.venv\b", commands), (
+        ".ci/run must not touch the checkout's .venv, which the README's commands make"
+    )
+    match = re.search(r"^venv=(\S+)$", script, re.MULTILINE)
+    assert match, ".ci/run names its virtual environment in one variable, venv=DIR"
+    assert f"rm -rf \"$venv\"" in script
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"`{match[1]}/`" in readme, f"README.md's Development section should name {match[1]}/"
