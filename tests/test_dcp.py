@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def test_bad_inputs_say_what_to_do() -> None:
         state.load_state_dict({"rank0_of_1": "{"})
 
 
-def _ranks(phase: str, ckpt: Path, out: Path, world: int = 2) -> list[list[list[torch.Tensor]]]:
+def _ranks(phase: str, ckpt: Path, out: Path, world: int = 2) -> list[Any]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
     children = [
@@ -89,3 +90,16 @@ def test_each_rank_resumes_its_own_stream_in_fresh_processes(tmp_path: Path) -> 
         for epoch in range(2):
             assert_same_stream(resumed[rank][epoch], saved[rank][epoch], f"rank {rank} epoch {epoch}")
     assert not torch.equal(saved[0][1][0], saved[1][1][0]), "the ranks should read different shards"
+
+
+@pytest.mark.integration
+def test_checkpoints_written_while_training_goes_on_resume_exactly(tmp_path: Path) -> None:
+    # dcp.async_save and a thread's torch.save of state_dict() are waited for only after
+    # another epoch and a half: what they write is the state of the moment they began.
+    saved = _ranks("async_save", tmp_path / "ckpt", tmp_path)
+    resumed = _ranks("async_load", tmp_path / "ckpt", tmp_path)
+    for rank in range(2):
+        assert len(saved[rank][0]) == 8 - (3 + 2 * rank)
+        for how, stream in zip(("dcp.async_save", "a thread's torch.save"), resumed[rank]):
+            for epoch in range(2):
+                assert_same_stream(stream[epoch], saved[rank][epoch], f"rank {rank}, {how}, epoch {epoch}")
