@@ -6,7 +6,7 @@
   places), ``dcp.save`` the loader through ``snaploader.dcp_state``, then record the
   rest of epoch 0 and all of epoch 1: the uninterrupted stream;
 - ``load``: a new loader in this fresh process, ``dcp.load`` into it, record the rest
-  of epoch 0 and epoch 1.
+  of epoch 0 and epoch 1 (as a list of one such record).
 - ``async_save``: as ``save``, but the checkpoint is written while training goes on
   (docs/dcp.md, "Saving while training goes on"): ``dcp.async_save`` of
   ``snaploader.dcp_state``, and ``torch.save`` of ``loader.state_dict()`` in a
@@ -71,7 +71,7 @@ def main(phase: str, rank: int, world: int, port: int, ckpt: str, out: str) -> N
                 future.result()  # type: ignore[union-attr]
         elif phase == "load":
             dcp.load({"loader": snaploader.dcp_state(loader)}, checkpoint_id=ckpt)
-            stream = _epochs(loader, list(loader))
+            stream = [_epochs(loader, list(loader))]
         else:
             dcp.load({"loader": snaploader.dcp_state(loader)}, checkpoint_id=ckpt)
             from_thread = _loader(rank, world)
