@@ -187,3 +187,32 @@ def test_state_dict_from_another_thread_at_epoch_starts_resumes_exactly(
         got_rest = [] if state["ended"] else list(resumed)
         assert_same_stream(got_rest, rest, where)
         assert_same_stream(list(resumed), expected[epoch + 1] if not state["ended"] else expected[epoch], where + ": next epoch")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_returned_state_never_changes_and_shares_nothing(num_workers: int) -> None:
+    # An async checkpoint writer reads the state while the loop goes on (docs/dcp.md).
+    loader = snaploader.DataLoader(
+        Augmented(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(3),
+        persistent_workers=num_workers > 0,
+    )
+    iterator = iter(loader)
+    next(iterator)
+    states = [loader.state_dict()]
+    next(iterator)
+    states.append(loader.state_dict())
+    as_taken = [json.dumps(state) for state in states]
+    list(iterator)
+    states.append(loader.state_dict())  # the epoch ended
+    as_taken.append(json.dumps(states[-1]))
+    list(loader)
+    assert [json.dumps(state) for state in states] == as_taken
+    loaded = snaploader.DataLoader(
+        Augmented(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(3),
+        persistent_workers=num_workers > 0,
+    )
+    loaded.load_state_dict(states[1])
+    # editing what was given or returned changes nothing the loader holds
+    states[1]["workers"][0]["yielded"]["produced"] = 99
+    loaded.state_dict()["workers"][0]["yielded"]["produced"] = 98
+    assert json.dumps(loaded.state_dict()) == as_taken[1]
