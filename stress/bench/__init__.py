@@ -1,8 +1,8 @@
 """Side-by-side benchmark: snaploader vs torch's DataLoader (vs torchdata's
 StatefulDataLoader when it is installed), on the workloads of issue 5.
 
-    python stress/bench.py            # the full run (about 9 minutes on a quiet 2-core machine)
-    python stress/bench.py --quick    # the CI smoke test (~2 minutes)
+    python stress/bench.py            # the full run (over 9 minutes on a quiet 2-core machine)
+    python stress/bench.py --quick    # the CI smoke test (2-3 minutes)
     python stress/bench.py --out DIR  # where results go (default: bench-results/)
 
 What it measures (``docs/performance.md`` explains the method and each number):

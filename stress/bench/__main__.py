@@ -160,7 +160,7 @@ def _run(config: Config, out_dir: Path, log: Callable[[str], None]) -> dict[str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(_PACKAGE_DOC or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short run (~2 minutes): the CI smoke test")
+    parser.add_argument("--quick", action="store_true", help="short run (2-3 minutes): the CI smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     parser.add_argument("--repeats", type=int, help="override the number of interleaved repeats")
     parser.add_argument("--no-torchdata", action="store_true", help="leave torchdata out")

@@ -10,7 +10,8 @@ collection or a search that runs long shows in the p99 and the max, as in a trai
 loop. The loaders shuffle, so a long dataset would show in the size if the sampler's
 position were saved as anything but a count. The light and heavy pipelines run with
 persistent workers through several epochs, so every worker's RNGs have moved on from
-their seeds, as in a long run.
+their seeds, as in a long run. Each case's loaders have a seed of their own
+(``config.STATE_DICT_SEEDS_FROM`` says why).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Final
 
 from stress._probes import median, percentile, saved_bytes
 
-from .config import STATE_DICT_BATCH, StateDictCase
+from .config import STATE_DICT_BATCH, STATE_DICT_SEEDS_FROM, StateDictCase
 from .contenders import Contender, build_loader, close_iterator
 from .workloads import pipeline
 
@@ -53,14 +54,15 @@ def measure_state_dict(
     if warm_calls < 1:
         raise ValueError(f"warm_calls should be at least 1 (a warm call per batch), got {warm_calls}")
     rows = []
-    for case in cases:
+    for index, case in enumerate(cases):
+        case_seed = seed + STATE_DICT_SEEDS_FROM + index  # the contenders of a case see the same data
         pipe = pipeline(case.pipeline)
         dataset = pipe.make(case.dataset_len)
         for contender in contenders:
             if contender.name == "torch":
                 continue  # no state_dict()
             loader = build_loader(
-                contender, dataset, STATE_DICT_BATCH, case.workers, seed, persistent=pipe.persistent
+                contender, dataset, STATE_DICT_BATCH, case.workers, case_seed, persistent=pipe.persistent
             )
             try:
                 cold_ns, warm_ns, sizes, epochs = _call_after_each_batch(loader, case.steps, warm_calls)
@@ -70,6 +72,7 @@ def measure_state_dict(
             rows.append(
                 {
                     "loader": contender.name,
+                    "seed": case_seed,
                     "workers": case.workers,
                     "dataset_len": case.dataset_len,
                     "pipeline": case.pipeline,

@@ -6,8 +6,8 @@ default), with torch's DataLoader (no call) for scale.
 The loop does nothing else: no model work hides the call's cost, so the ratio is the
 least a real loop would see. Every variant runs ``repeats`` times, interleaved with
 the starting one rotating (A B C, B C A, ...); each trial builds a fresh loader with
-persistent workers and times from the first batch to the last (worker start-up is
-apart). The ratio of a loader's loop with the call to the one without is taken per
+persistent workers, seeded apart from every other (``config.LOOP_SEEDS_FROM`` says
+why), and times from the first batch to the last (worker start-up is apart). The ratio of a loader's loop with the call to the one without is taken per
 repeat (the two ran close in time) and its median reported.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from stress._probes import median
 
-from .config import STATE_DICT_BATCH, LoopCase
+from .config import LOOP_SEEDS_FROM, STATE_DICT_BATCH, LoopCase
 from .contenders import Contender, build_loader, close_iterator
 from .workloads import pipeline
 
@@ -36,6 +36,7 @@ def measure_training_loop(
     """One row per case: per contender, steps/s without the call and (contenders with a
     ``state_dict()``) with it, and the median per-repeat ratio of the two."""
     rows = []
+    trial_seed = seed + LOOP_SEEDS_FROM  # a seed per trial: see config.LOOP_SEEDS_FROM
     for case in cases:
         if case.steps < 2:
             raise ValueError(f"a training-loop case needs at least 2 steps to time, got {case.steps}")
@@ -47,8 +48,9 @@ def measure_training_loop(
         for rep in range(repeats):
             shift = rep % len(variants)
             for contender, calls in [*variants[shift:], *variants[:shift]]:
+                trial_seed += 1
                 loader = build_loader(
-                    contender, dataset, STATE_DICT_BATCH, workers, seed, persistent=pipe.persistent
+                    contender, dataset, STATE_DICT_BATCH, workers, trial_seed, persistent=pipe.persistent
                 )
                 runs[(contender.name, calls)].append(_steps_per_s(loader, case.steps, calls))
                 del loader
