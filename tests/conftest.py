@@ -47,7 +47,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     children, fds, shm = _children(), _fds(), _shm()
     yield
     deadline = time.monotonic() + _SETTLE_S
-    collected = False
+    first = True
     while True:
         extra_children = _children() - children
         extra_fds = _fds() - fds
@@ -55,14 +55,13 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         if not (extra_children or extra_fds or extra_shm) or time.monotonic() > deadline:
             break
         # Something is left: it may be garbage in a reference cycle (a loader and its
-        # persistent iterator), which only a collection frees. Collect only then: a
-        # collection cannot add a process, an fd or an entry, so a test that left
-        # nothing needs none.
-        if not collected:
-            gc.collect()
-            collected = True
-        else:
+        # persistent iterator), which only a collection frees, or a worker still exiting.
+        # Collect only then: a collection cannot add a process, an fd or an entry, so a
+        # test that left nothing needs none.
+        if not first:
             time.sleep(0.05)
+        first = False
+        gc.collect()
     problems = []
     if extra_children:
         problems.append(f"child processes left running: {sorted(extra_children)}")
