@@ -271,6 +271,8 @@ def _fingerprint(value: dict[str, Any]) -> tuple[dict[str, Any], DistributedArgs
     _at_least(f"{inner}['num_replicas']", shard["num_replicas"], 1)
     if not 0 <= shard["rank"] < shard["num_replicas"]:
         raise _fail(inner, f"has rank {shard['rank']} of num_replicas {shard['num_replicas']}; expected 0 <= rank < num_replicas")
+    if value["dataset_length"] is None:
+        raise _fail(f"{where}['dataset_length']", "is None, but a DistributedSampler reads its dataset's length")
     if shard["seed"] not in _SEED_RANGE:
         raise _fail(f"{inner}['seed']", f"is {shard['seed']}; torch seeds fit in 64 bits")
     return out, DistributedArgs(**{key: shard[key] for key in DISTRIBUTED_FIELDS})

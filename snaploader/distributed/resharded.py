@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .._errors import CheckpointFormatError
+from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.checkpoint import sha256_of
 from .._loader import DataLoader
 from .rules import Source, World, gather, hosted, remaining, require_in_order, sampler_for, share
@@ -269,6 +269,7 @@ def reshard(
     if during:
         source, state = _resume_during(during, len(states), rank, world_size)
         loader = _build(make_loader, RemainderSampler(share(remaining(source), source.batch_size, rank, world_size)))
+        _check_source(source, loader)
         loader.load_state_dict(state)
         return ReshardedLoader(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
@@ -292,6 +293,7 @@ def reshard(
             mode="hosting", rank=rank, world_size=world_size, make_loader=make_loader, combine=combine,
             loaders=loaders, epoch=_epoch_of(world), logical_ranks=tuple(hosted(world.size, rank, world_size)),
         )
+    _check_world(world, make_loader)
     if world.source.sampler_epoch is None:  # no epoch under way: the M-rank sampler now
         after = _build(make_loader, sampler_for(world.source, world_size, rank, _epoch_of(world)))
         return ReshardedLoader(
@@ -305,6 +307,38 @@ def reshard(
         combine=combine, loaders=[], epoch=_epoch_of(world),
         rest=(world.source, _build(make_loader, RemainderSampler(mine))),
     )
+
+
+def _check_world(world: World, make_loader: LoaderFactory) -> None:
+    """Re-partitioning loads no old rank's checkpoint, so each is checked as hosting
+    would check it (the fingerprint: a grown dataset is refused; the position's
+    consistency) by loading it into a loader that is then dropped."""
+    for rank, state in enumerate(world.states):
+        probe = _build(make_loader, sampler_for(world.source, world.size, rank, None))
+        try:
+            probe.load_state_dict(state)
+        except (CheckpointFormatError, CheckpointMismatchError) as exc:
+            raise type(exc)(f"rank {rank}'s checkpoint: {exc}") from None
+
+
+def _check_source(source: Source, loader: DataLoader[Any]) -> None:
+    """The re-partition source must describe the loader now built (a ReshardedLoader's
+    state records it apart from the loader's own checkpoint)."""
+    try:
+        length: int | None = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    pairs = {
+        "dataset_length": (source.dataset_length, length),
+        "batch_size": (source.batch_size, loader.batch_size),
+        "drop_last": (source.drop_last, loader.drop_last),
+    }
+    lines = [f"  {key}: {old!r} in checkpoint / {new!r} in this loader" for key, (old, new) in pairs.items() if old != new]
+    if lines:
+        raise CheckpointMismatchError(
+            "the re-partitioned epoch was taken from loaders built differently:\n" + "\n".join(lines)
+            + "\nBuild the loaders with the checkpoint's arguments to resume it"
+        )
 
 
 _RANK_KEY: Final = re.compile(r"rank(\d+)_of_(\d+)")
