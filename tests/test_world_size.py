@@ -462,3 +462,20 @@ def test_a_resigned_edit_of_a_repartitioned_epoch_is_refused(key: str, value: An
     edited = [_resigned_outer(state) for state in saved]
     with pytest.raises((snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError), match=error):
         reshard(edited, make_loader, rank=0, world_size=3)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize(
+    "entries, error",
+    [
+        ({"rank00_of_1": "{}"}, r"entries \['rank00_of_1'\], not one 'rank<r>_of_<N>'"),
+        ({"rank0_of_1": "not json"}, r"entry loader.rank0_of_1 is not JSON"),
+        ({"rank0_of_1": 7}, r"entry loader.rank0_of_1 is a int|cannot be read"),
+        ({"rank0_of_1": torch.zeros(2)}, r"cannot be read under 'loader'"),
+        ({"rank0_of_1": "[1, 2]"}, r"entry loader.rank0_of_1 holds a list, not a loader state"),
+    ],
+)
+def test_dcp_states_names_an_entry_it_cannot_use(tmp_path: Path, entries: dict[str, Any], error: str) -> None:
+    dcp.save({"loader": entries}, checkpoint_id=str(tmp_path / "bad"))
+    with pytest.raises(snaploader.CheckpointFormatError, match=error):
+        snaploader.distributed.dcp_states(str(tmp_path / "bad"))
