@@ -2,7 +2,9 @@
 """Fuzz loader checkpoints: mutate real states one field at a time and load each
 mutant into a fresh loader, for every configuration of ``tests/_fuzz.py`` (map-style
 and iterable, with and without the state protocol, W=0 and W=2, persistent workers,
-generator objects, a pending skip, in_order=False, a DistributedSampler). A fourth of
+generator objects, a pending skip, in_order=False, a DistributedSampler), and the
+states ``snaploader.distributed.reshard`` takes (4 ranks onto 3: the old ranks', and a
+ReshardedLoader's during the re-partitioned epoch). A fourth of
 the mutants edit a byte of a decoded blob (an RNG state's flags and twist codes, a
 generator-object record's header) rather than a field.
 
@@ -27,11 +29,12 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests._fuzz import CONFIGS, build_case, check_one  # noqa: E402
+from tests._fuzz import CONFIGS, RESHARD_CONFIGS, build_case, build_reshard_case, check_one, check_one_reshard  # noqa: E402
 
 
 def main() -> int:
@@ -45,13 +48,14 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     rng = random.Random(seed)
     print(f"fuzz_checkpoints: seed={seed} seconds={args.seconds:g}", flush=True)
-    cases = [build_case(name) for name in sorted(CONFIGS)]
+    cases: list[Any] = [build_case(name) for name in sorted(CONFIGS)]
+    cases += [build_reshard_case(name) for name in RESHARD_CONFIGS]
     counts = {"clear": 0, "identical": 0, "other": 0}
     per_case: dict[tuple[str, bool], dict[str, int]] = {}
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline:
         case = rng.choice(cases)
-        result, what = check_one(case, rng)
+        result, what = check_one_reshard(case, rng) if case.name in RESHARD_CONFIGS else check_one(case, rng)
         kind = result if result in counts else "other"
         counts[kind] += 1
         tally = per_case.setdefault((case.name, what.endswith("(re-signed)")), {"clear": 0, "identical": 0, "other": 0})

@@ -23,7 +23,8 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 import snaploader
-from snaploader._format.checkpoint import resign
+from snaploader._format.checkpoint import resign, sha256_of
+from snaploader.distributed import reshard
 from snaploader._rng import twist
 from snaploader._rng.kinds import parse as parse_objects
 
@@ -295,17 +296,21 @@ def outcome(case: Case, mutant: dict[str, Any]) -> str:
         return "clear"
     except Exception as exc:
         return f"iteration raised {type(exc).__name__}: {exc}"
-    if case.name in _UNORDERED:
-        # in_order=False yields whichever worker is ready: each epoch's batches are
-        # fixed, their order is timing's
-        got, expected = [sorted(epoch, key=_content) for epoch in got], [sorted(epoch, key=_content) for epoch in case.expected]
-    else:
-        expected = case.expected
     try:
-        assert_same_stream(got[0] + got[1], expected[0] + expected[1])
+        assert_resumes(case, got)
     except AssertionError as exc:
         return f"loaded silently and yielded a different stream ({exc})"
     return "identical"
+
+
+def assert_resumes(case: Case, got: list[list[Any]]) -> None:
+    """Assert that ``got`` (two epochs) is the stream ``case.state`` resumes."""
+    expected = case.expected
+    if case.name in _UNORDERED:
+        # in_order=False yields whichever worker is ready: each epoch's batches are
+        # fixed, their order is timing's
+        got, expected = [sorted(epoch, key=_content) for epoch in got], [sorted(epoch, key=_content) for epoch in expected]
+    assert_same_stream(got[0] + got[1], expected[0] + expected[1])
 
 
 def check_one(case: Case, rng: random.Random) -> tuple[str, str]:
@@ -318,3 +323,93 @@ def check_one(case: Case, rng: random.Random) -> tuple[str, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return outcome(case, mutant), what
+
+
+# -- re-partitioned states (snaploader.distributed.reshard, 4 ranks onto 3) -------------
+
+
+def _reshard_factory(sampler: Any) -> snaploader.DataLoader:
+    return snaploader.DataLoader(Augmented(40), batch_size=3, sampler=sampler, generator=generator(1))
+
+
+def _reshard_states(during: bool) -> list[dict[str, Any]]:
+    """The 4 old ranks' states after a batch of epoch 2; with ``during``, the 3 new
+    ranks' states after a batch of the re-partitioned epoch."""
+    old = []
+    for rank in range(4):
+        sampler = DistributedSampler(Augmented(40), num_replicas=4, rank=rank, shuffle=True, seed=5)
+        sampler.set_epoch(2)
+        old.append(cut_state(_reshard_factory(sampler), 0, 1))
+    if not during:
+        return old
+    new = []
+    for rank in range(3):
+        loader = reshard(old, _reshard_factory, rank=rank, world_size=3)
+        iterator = iter(loader)
+        next(iterator)
+        new.append(through_bytes(loader.state_dict()))
+        del iterator
+    return new
+
+
+def _reshard_make(states: list[dict[str, Any]]) -> list[Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(reshard(states, _reshard_factory, rank=0, world_size=3))
+
+
+@dataclass
+class ReshardCase:
+    """Every rank's states, one of which is mutated, and new rank 0's stream from them."""
+
+    name: str
+    states: list[dict[str, Any]]
+    expected: list[Any]
+
+
+def build_reshard_case(name: str) -> ReshardCase:
+    states = _reshard_states(during=name == "reshard-during")
+    return ReshardCase(name, states, _reshard_make(copy.deepcopy(states)))
+
+
+def _resign_resharded(state: dict[str, Any]) -> dict[str, Any]:
+    # the inner loader state's digest, then the ReshardedLoader state's own
+    rest = state.get("rest")
+    if isinstance(rest, dict) and isinstance(rest.get("loader"), dict) and "workers" in rest["loader"]:
+        try:
+            rest["loader"]["digest"] = resign(rest["loader"])["digest"]
+        except Exception:
+            pass
+    body = {key: value for key, value in state.items() if key != "digest"}
+    return {**body, "digest": "sha256:" + sha256_of(body)}
+
+
+def check_one_reshard(case: ReshardCase, rng: random.Random) -> tuple[str, str]:
+    """A field edit of one rank's state (re-signed half the time, its source too) and
+    what new rank 0 makes of the states: "clear", "identical" or what went wrong."""
+    place = rng.randrange(len(case.states))
+    states = copy.deepcopy(case.states)
+    if states[place].get("format") == "snaploader":
+        mutant, what = mutate(states[place], rng)
+    else:
+        mutant, what = mutate({**states[place], "workers": []}, rng)  # a ReshardedLoader's
+        mutant.pop("workers", None)
+        if " (re-signed)" in what or rng.random() < 0.5:
+            mutant = _resign_resharded(mutant)
+            what = what.removesuffix(" (re-signed)") + " (re-signed)"
+    states[place] = mutant
+    what = f"state {place}: {what}"
+    try:
+        got = _reshard_make(states)
+    except CLEAR:
+        return "clear", what
+    except Exception as exc:
+        return f"reshard raised {type(exc).__name__}: {exc}", what
+    try:
+        assert_same_stream(got, case.expected)
+    except AssertionError as exc:
+        return f"resharded silently into a different stream ({str(exc)[:200]})", what
+    return "identical", what
+
+
+RESHARD_CONFIGS = ("reshard-old-ranks", "reshard-during")

@@ -187,7 +187,7 @@ def gather(states: Sequence[dict[str, Any]]) -> World:
         # by_rank's ranks are distinct and below size: the first missing ones are found
         # among the first len(by_rank) + 10, whatever size is.
         missing = [r for r in range(min(size, len(by_rank) + 10)) if r not in by_rank]
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"the checkpoints are of a {size}-rank run, but ranks {missing}"
             f"{f' and {size - len(by_rank) - len(missing)} more' if size - len(by_rank) > len(missing) else ''} "
             f"are missing (got {sorted(by_rank)}): "
@@ -227,7 +227,7 @@ def _source_of(checkpoints: list[Checkpoint]) -> Source:
     epochs = {(c.epoch, c.sampler_epoch) for c in checkpoints}
     if len(epochs) > 1:
         shown = ", ".join(f"rank {r}: epoch {c.epoch} (sampler epoch {c.sampler_epoch})" for r, c in enumerate(checkpoints))
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"the checkpoints are from different epochs ({shown}); pass the checkpoints "
             "every rank saved at the same step"
         )
