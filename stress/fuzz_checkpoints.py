@@ -1,7 +1,12 @@
 #!/usr/bin/env python
 """Fuzz loader checkpoints: mutate real states one field at a time and load each
 mutant into a fresh loader, for every configuration of ``tests/_fuzz.py`` (map-style
-and iterable, with and without the state protocol, W=0 and W=2, persistent workers).
+and iterable, with and without the state protocol, W=0 and W=2, persistent workers,
+generator objects, a pending skip, in_order=False, a DistributedSampler), and the
+states ``snaploader.distributed.reshard`` takes (4 ranks onto 3: the old ranks', and a
+ReshardedLoader's during the re-partitioned epoch). A fourth of
+the mutants edit a byte of a decoded blob (an RNG state's flags and twist codes, a
+generator-object record's header) rather than a field.
 
     python stress/fuzz_checkpoints.py --seconds 300   # a long run, for people
     python stress/fuzz_checkpoints.py --quick         # the CI variant (about 30 s)
@@ -9,7 +14,8 @@ and iterable, with and without the state protocol, W=0 and W=2, persistent worke
 Half the mutants are re-signed (their digest recomputed, as a deliberate editor would),
 so that the checks behind the digest are reached too. Every mutant must either fail
 with a named ``CheckpointFormatError``/``CheckpointMismatchError`` ("clear") or resume
-exactly the stream the original resumes ("identical"). Summary line (the last line):
+exactly the stream the original resumes ("identical"). A line per configuration
+(signed and unsigned mutants), then the summary line (the last line):
 
     mutants=N clear=N identical=N other=N
 
@@ -23,11 +29,12 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests._fuzz import CONFIGS, build_case, check_one  # noqa: E402
+from tests._fuzz import CONFIGS, RESHARD_CONFIGS, build_case, build_reshard_case, check_one, check_one_reshard  # noqa: E402
 
 
 def main() -> int:
@@ -41,17 +48,22 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     rng = random.Random(seed)
     print(f"fuzz_checkpoints: seed={seed} seconds={args.seconds:g}", flush=True)
-    cases = [build_case(name) for name in sorted(CONFIGS)]
+    cases: list[Any] = [build_case(name) for name in sorted(CONFIGS)]
+    cases += [build_reshard_case(name) for name in RESHARD_CONFIGS]
     counts = {"clear": 0, "identical": 0, "other": 0}
+    per_case: dict[tuple[str, bool], dict[str, int]] = {}
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline:
         case = rng.choice(cases)
-        result, what = check_one(case, rng)
-        if result in counts:
-            counts[result] += 1
-        else:
-            counts["other"] += 1
+        result, what = check_one_reshard(case, rng) if case.name in RESHARD_CONFIGS else check_one(case, rng)
+        kind = result if result in counts else "other"
+        counts[kind] += 1
+        tally = per_case.setdefault((case.name, what.endswith("(re-signed)")), {"clear": 0, "identical": 0, "other": 0})
+        tally[kind] += 1
+        if kind == "other":
             print(f"  {case.name}: {what}: {result}", flush=True)
+    for (name, signed), tally in sorted(per_case.items()):
+        print(f"  {name:<20} {'signed' if signed else 'unsigned':<8} " + " ".join(f"{k}={v}" for k, v in tally.items()))
     mutants = sum(counts.values())
     print(f"mutants={mutants} clear={counts['clear']} identical={counts['identical']} other={counts['other']}")
     return 1 if counts["other"] else 0

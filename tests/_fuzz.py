@@ -20,14 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch.utils.data import DistributedSampler
+
 import snaploader
-from snaploader._format.checkpoint import resign
+from snaploader._format.checkpoint import resign, sha256_of
+from snaploader.distributed import reshard
+from snaploader._rng import twist
 from snaploader._rng.kinds import parse as parse_objects
 
 from ._datasets import Augmented
 from ._iterable_datasets import IteratorStateStream, PlainStream
 from ._object_datasets import OwnGenerators, reseed_own
-from ._streams import assert_same_stream, cut_state, generator
+from ._streams import assert_same_stream, cut_state, generator, through_bytes
 
 CLEAR = (snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError)
 
@@ -60,6 +64,21 @@ def _objects_loader() -> snaploader.DataLoader:
     )
 
 
+def _unordered_loader() -> snaploader.DataLoader:
+    # in_order=False: the ledgers' counts are the position (any prefix of each share)
+    return snaploader.DataLoader(
+        Augmented(14), batch_size=3, shuffle=True, num_workers=2, in_order=False,
+        generator=generator(5), timeout=60,
+    )
+
+
+def _distributed_loader() -> snaploader.DataLoader:
+    # a DistributedSampler: its arguments are in the fingerprint ("distributed")
+    dataset = Augmented(15)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=3)
+    return snaploader.DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, generator=generator(5), timeout=60)
+
+
 def _iter_loader(cls: type, workers: int) -> Callable[[], snaploader.DataLoader]:
     def make() -> snaploader.DataLoader:
         return snaploader.DataLoader(
@@ -77,7 +96,18 @@ CONFIGS: dict[str, tuple[Callable[[], snaploader.DataLoader], int, int]] = {
     "iter-protocol-w2": (_iter_loader(IteratorStateStream, 2), 0, 3),
     "iter-plain-w0": (_iter_loader(PlainStream, 0), 0, 3),
     "map-objects-w2": (_objects_loader, 0, 2),
+    "map-skip-w2": (_map_loader(2), 0, 1),
+    "map-unordered-w2": (_unordered_loader, 0, 2),
+    "map-distributed-w2": (_distributed_loader, 0, 1),
 }
+# Configurations whose state holds a pending skip: loaded with load_state_dict(skip=N)
+# and taken again before iter() (what state_dict() returns meanwhile).
+_PENDING_SKIP: dict[str, int] = {"map-skip-w2": 2}
+_UNORDERED: frozenset[str] = frozenset({"map-unordered-w2"})
+
+
+def _content(batch: Any) -> bytes:
+    return bytes(batch.numpy().tobytes())
 
 
 def _drain(loader: snaploader.DataLoader) -> list[list[Any]]:
@@ -89,6 +119,10 @@ def _drain(loader: snaploader.DataLoader) -> list[list[Any]]:
 def build_case(name: str) -> Case:
     make, before, cut = CONFIGS[name]
     state = cut_state(make(), before, cut)
+    if name in _PENDING_SKIP:
+        skipping = make()
+        skipping.load_state_dict(state, skip=_PENDING_SKIP[name])
+        state = through_bytes(skipping.state_dict())
     resumed = make()
     resumed.load_state_dict(copy.deepcopy(state))
     return Case(name, make, state, _drain(resumed))
@@ -134,6 +168,75 @@ def _object_states_only(old: Any, new: Any) -> bool:
     except (ValueError, binascii.Error):
         return False
     return [record[:2] for record in before] == [record[:2] for record in after]
+
+
+def _snapshots(state: dict[str, Any]) -> list[tuple[Any, ...]]:
+    out = []
+    for w, ledger in enumerate(state.get("workers") or []):
+        for key in ("epoch_start", "yielded", "yielded_complete"):
+            if isinstance(ledger, dict) and isinstance(ledger.get(key), dict):
+                out.append(("workers", w, key))
+    return out
+
+
+def _checkable_offsets(field: str, blob: bytes) -> list[int]:
+    """Byte offsets of a decoded blob whose edits a check can see: an RNG blob's flags
+    and its twist codes' counts and CRCs (``_rng/twist.py``); a generator-object
+    record's path length, path, kind and state size (``_rng/kinds.py``). Any other byte
+    is part of some valid generator state, which no check can tell from another."""
+    if field == "rng":
+        offsets, at = [0], 1
+        for part, size in enumerate(twist.part_sizes(blob[0])):
+            if size is None:
+                continue
+            if blob[0] & (8 << part):
+                offsets += list(range(at, at + 8))
+            at = len(blob) if size < 0 else at + size
+        return offsets
+    offsets, at = [], 0
+    while at + 2 <= len(blob):
+        length = int.from_bytes(blob[at : at + 2], "little")
+        head = at + 2 + length + 5  # path, then kind (1 byte) and size (4 bytes)
+        offsets += list(range(at, min(head, len(blob))))
+        at = head + int.from_bytes(blob[head - 4 : head], "little")
+    return offsets
+
+
+def mutate_decoded(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], str, bool]:
+    """A copy of ``state`` with one checkable byte of a decoded RNG or generator-object
+    blob changed (or the blob cut short or extended), re-encoded, re-signed half the
+    time; what was done; whether it was re-signed."""
+    mutant = copy.deepcopy(state)
+    choices = [(path, field) for path in _snapshots(mutant) for field in ("rng", "objects")
+               if isinstance(_at(mutant, path).get(field), str)]
+    path, field = rng.choice(choices)
+    snapshot = _at(mutant, path)
+    blob = bytearray(base64.b64decode(snapshot[field]))
+    action = rng.random()
+    if action < 0.15:
+        blob = blob[: rng.randrange(len(blob))]
+        what = f"cut {path + (field,)} to {len(blob)} bytes"
+    elif action < 0.25:
+        blob += bytes(rng.randrange(1, 9))
+        what = f"extended {path + (field,)}"
+    else:
+        at = rng.choice(_checkable_offsets(field, bytes(blob)) or [0])
+        old = blob[at]
+        blob[at] = rng.choice([old ^ (1 << rng.randrange(8)), (old + 1) % 256, (old - 1) % 256, rng.randrange(256)])
+        what = f"set byte {at} of decoded {path + (field,)} from {old} to {blob[at]}"
+    snapshot[field] = base64.b64encode(bytes(blob)).decode()
+    signed = rng.random() < 0.5
+    if signed:
+        mutant["digest"] = resign(mutant)["digest"]
+        what += " (re-signed)"
+    return mutant, what, signed
+
+
+def _at(state: dict[str, Any], path: tuple[Any, ...]) -> Any:
+    here: Any = state
+    for key in path:
+        here = here[key]
+    return here
 
 
 def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], str]:
@@ -194,14 +297,119 @@ def outcome(case: Case, mutant: dict[str, Any]) -> str:
     except Exception as exc:
         return f"iteration raised {type(exc).__name__}: {exc}"
     try:
-        assert_same_stream(got[0] + got[1], case.expected[0] + case.expected[1])
+        assert_resumes(case, got)
     except AssertionError as exc:
         return f"loaded silently and yielded a different stream ({exc})"
     return "identical"
 
 
+def assert_resumes(case: Case, got: list[list[Any]]) -> None:
+    """Assert that ``got`` (two epochs) is the stream ``case.state`` resumes."""
+    expected = case.expected
+    if case.name in _UNORDERED:
+        # in_order=False yields whichever worker is ready: each epoch's batches are
+        # fixed, their order is timing's
+        got, expected = [sorted(epoch, key=_content) for epoch in got], [sorted(epoch, key=_content) for epoch in expected]
+    assert_same_stream(got[0] + got[1], expected[0] + expected[1])
+
+
 def check_one(case: Case, rng: random.Random) -> tuple[str, str]:
-    mutant, what = mutate(case.state, rng)
+    """(outcome, what was done, with " (re-signed)" when it was) of one mutant: a field
+    edit, or one fourth of the time an edit inside a decoded blob."""
+    if _snapshots(case.state) and rng.random() < 0.25:
+        mutant, what, _ = mutate_decoded(case.state, rng)
+    else:
+        mutant, what = mutate(case.state, rng)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return outcome(case, mutant), what
+
+
+# -- re-partitioned states (snaploader.distributed.reshard, 4 ranks onto 3) -------------
+
+
+def _reshard_factory(sampler: Any) -> snaploader.DataLoader:
+    return snaploader.DataLoader(Augmented(40), batch_size=3, sampler=sampler, generator=generator(1))
+
+
+def _reshard_states(during: bool) -> list[dict[str, Any]]:
+    """The 4 old ranks' states after a batch of epoch 2; with ``during``, the 3 new
+    ranks' states after a batch of the re-partitioned epoch."""
+    old = []
+    for rank in range(4):
+        sampler = DistributedSampler(Augmented(40), num_replicas=4, rank=rank, shuffle=True, seed=5)
+        sampler.set_epoch(2)
+        old.append(cut_state(_reshard_factory(sampler), 0, 1))
+    if not during:
+        return old
+    new = []
+    for rank in range(3):
+        loader = reshard(old, _reshard_factory, rank=rank, world_size=3)
+        iterator = iter(loader)
+        next(iterator)
+        new.append(through_bytes(loader.state_dict()))
+        del iterator
+    return new
+
+
+def _reshard_make(states: list[dict[str, Any]]) -> list[Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(reshard(states, _reshard_factory, rank=0, world_size=3))
+
+
+@dataclass
+class ReshardCase:
+    """Every rank's states, one of which is mutated, and new rank 0's stream from them."""
+
+    name: str
+    states: list[dict[str, Any]]
+    expected: list[Any]
+
+
+def build_reshard_case(name: str) -> ReshardCase:
+    states = _reshard_states(during=name == "reshard-during")
+    return ReshardCase(name, states, _reshard_make(copy.deepcopy(states)))
+
+
+def _resign_resharded(state: dict[str, Any]) -> dict[str, Any]:
+    # the inner loader state's digest, then the ReshardedLoader state's own
+    rest = state.get("rest")
+    if isinstance(rest, dict) and isinstance(rest.get("loader"), dict) and "workers" in rest["loader"]:
+        try:
+            rest["loader"]["digest"] = resign(rest["loader"])["digest"]
+        except Exception:
+            pass
+    body = {key: value for key, value in state.items() if key != "digest"}
+    return {**body, "digest": "sha256:" + sha256_of(body)}
+
+
+def check_one_reshard(case: ReshardCase, rng: random.Random) -> tuple[str, str]:
+    """A field edit of one rank's state (re-signed half the time, its source too) and
+    what new rank 0 makes of the states: "clear", "identical" or what went wrong."""
+    place = rng.randrange(len(case.states))
+    states = copy.deepcopy(case.states)
+    if states[place].get("format") == "snaploader":
+        mutant, what = mutate(states[place], rng)
+    else:
+        mutant, what = mutate({**states[place], "workers": []}, rng)  # a ReshardedLoader's
+        mutant.pop("workers", None)
+        if " (re-signed)" in what or rng.random() < 0.5:
+            mutant = _resign_resharded(mutant)
+            what = what.removesuffix(" (re-signed)") + " (re-signed)"
+    states[place] = mutant
+    what = f"state {place}: {what}"
+    try:
+        got = _reshard_make(states)
+    except CLEAR:
+        return "clear", what
+    except Exception as exc:
+        return f"reshard raised {type(exc).__name__}: {exc}", what
+    try:
+        assert_same_stream(got, case.expected)
+    except AssertionError as exc:
+        return f"resharded silently into a different stream ({str(exc)[:200]})", what
+    return "identical", what
+
+
+RESHARD_CONFIGS = ("reshard-old-ranks", "reshard-during")

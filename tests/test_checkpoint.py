@@ -21,7 +21,7 @@ from torch.utils.data import RandomSampler, default_collate
 import snaploader
 
 from ._datasets import Augmented
-from ._fuzz import CONFIGS, Case, build_case, check_one
+from ._fuzz import CONFIGS, Case, assert_resumes, build_case, check_one
 from ._support import assert_same_stream, epochs, generator, mp_helpers, through_bytes  # noqa: F401
 
 _CASES: dict[str, Case] = {}
@@ -52,8 +52,7 @@ def test_state_is_json_safe_and_survives_json_and_weights_only(name: str, mp_hel
     for copy in (json.loads(text), through_bytes(state)):
         loader = case.make()
         loader.load_state_dict(copy)
-        got = [list(loader), list(loader)]
-        assert_same_stream(got[0] + got[1], case.expected[0] + case.expected[1])
+        assert_resumes(case, [list(loader), list(loader)])
 
 
 def test_checkpoint_size_at_eight_workers_with_persistent_workers() -> None:

@@ -98,10 +98,16 @@ def test_every_configuration_mid_epoch_and_ended(
     assert code == 0, err
     assert f"loader state at loader: format snaploader version 3, {summary['size_bytes']:,} bytes" in out
     assert "integrity    digest matches, fields valid" in out
-    edited = dict(mid, yielded=mid["yielded"] + 1)
+    # an unsigned edit that leaves every field valid is shown, marked; one that does
+    # not is a one-line error naming both problems
+    edited = {**mid, "fingerprint": {**mid["fingerprint"], "drop_last": True}}
     torch.save({"loader": edited}, path)
     (summary_edited,) = as_json(path)
     assert summary_edited["integrity"].startswith("INVALID: loader state['digest'] does not match")
+    torch.save({"loader": dict(mid, yielded=mid["yielded"] + 1)}, path)
+    code, _, err = inspect(str(path))
+    assert code == 2 and err.count("\n") == 1
+    assert "['digest'] does not match" in err and "['yielded'] is 4, but the workers produced 3" in err
     assert "epoch 0, 3 batches consumed, epoch not ended" in out
     assert f"num_workers {workers}" in out
 
@@ -170,8 +176,8 @@ def test_nested_states_are_all_found_and_key_selects_one(tmp_path: Path) -> None
         ({"a": {"b": 1}}, ["--key", "a.c"], "--key a.c: no 'c' at a; the keys there are 'b'"),
         ({"a": [1]}, ["--key", "a.3"], "--key a.3: a is a list of 1 items, which has no '3'"),
         ({"a": {"b": 1}}, ["--key", "a.b"], "--key a.b holds a int, not a snaploader loader state"),
-        ({"format": "snaploader", "version": 4}, [], "format version 4; this snaploader reads version 1, 2, 3"),
-        ({"format": "snaploader", "version": 3}, [], "(version 3) is malformed"),
+        ({"format": "snaploader", "version": 4}, [], "format version 4; this snaploader reads versions 2, 3"),
+        ({"format": "snaploader", "version": 3}, [], "(version 3) is malformed: loader state has no 'digest' key"),
         ({"format": "snaploader", "version": 2}, [], "(version 2) is malformed"),
     ],
 )
@@ -198,3 +204,67 @@ def test_unreadable_files_exit_2(tmp_path: Path) -> None:
     assert code == 2 and "holds objects that torch.load(weights_only=True) refuses" in err, err
     code, _, err = inspect(str(tmp_path))
     assert code == 2 and "is a folder" in err
+
+
+def _real_state() -> dict[str, Any]:
+    loader = make_loader("map", 0, False)
+    iterator = iter(loader)
+    take(iterator, 2)
+    state = loader.state_dict()
+    del iterator
+    return state
+
+
+@pytest.mark.parametrize(
+    ("edit", "as_json_too", "message"),
+    [
+        (lambda s: s["workers"][0]["yielded"].update(rng="!!not base64!!"), False, "['rng'] is not valid base64"),
+        (lambda s: s.update(fingerprint="map"), False, "['fingerprint'] should be dict, got str"),
+        (lambda s: s.update(ended=torch.tensor(False)), False, "holds something that is not plain data"),
+        (lambda s: s["fingerprint"].update(batch_size=torch.tensor(2)), True, "holds something that is not plain data"),
+    ],
+)
+def test_every_malformed_state_is_one_line_and_exit_2(tmp_path: Path, edit: Any, as_json_too: bool, message: str) -> None:
+    state = _real_state()
+    edit(state)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"loader": state}, path)
+    for args in ([str(path), "--json"] if as_json_too else [str(path)], [str(path)]):
+        code, out, err = inspect(*args)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert message in err, err
+
+
+def _deep_file(path: Path, depth: int) -> None:
+    # torch.save (a recursive pickler) cannot write it: a file saved from a small list,
+    # its pickle replaced by one that nests ``depth`` lists (pushed, then appended).
+    import zipfile
+
+    torch.save([0], path)
+    with zipfile.ZipFile(path) as archive:
+        entries = {info: archive.read(info) for info in archive.infolist()}
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in entries.items():
+            if info.filename.endswith("/data.pkl"):
+                data = b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+            archive.writestr(info, data)
+
+
+def test_a_file_nested_200000_deep_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "deep.pt"
+    _deep_file(path, 200_000)
+    code, out, err = inspect(str(path))
+    assert code == 2 and out == "" and err.count("\n") == 1, err[-300:]
+    assert "nests dicts and lists more than 100 deep" in err
+
+
+def test_piped_into_a_reader_that_stops_early_no_traceback(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"loaders": [_real_state()] * 400}, path)
+    shell = f"{sys.executable} -m snaploader inspect {path} | head -n 1"
+    done = subprocess.run(["bash", "-c", f"set -o pipefail; {shell}"], capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("loader state at loaders.0"), done.stdout
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr

@@ -393,3 +393,89 @@ def test_four_ranks_repartitioned_on_three_lose_and_repeat_nothing(four_ranks: t
 def test_two_ranks_repartitioned_on_four_lose_and_repeat_nothing(tmp_path: Path) -> None:
     saved = _world("save", 2, 2, tmp_path)
     _check_repartitioned(saved, _world("load", 4, 2, tmp_path))
+
+
+# -- re-partitioning checks what hosting checks ------------------------------------
+
+
+def _resigned_outer(state: dict[str, Any]) -> dict[str, Any]:
+    from snaploader._format.checkpoint import sha256_of
+
+    body = {key: value for key, value in state.items() if key != "digest"}
+    return {**body, "digest": "sha256:" + sha256_of(body)}
+
+
+def test_repartitioning_refuses_a_grown_dataset_and_an_inconsistent_position() -> None:
+    old = _old_run(_factory(40), 40, 4, cut=1)
+    with pytest.raises(snaploader.CheckpointMismatchError, match=r"(?s)rank 0's checkpoint: .*dataset_length: 40 in checkpoint / 48"):
+        reshard(old.states, _factory(48), rank=0, world_size=3)
+    # re-signed positions that hosting refuses: yielded alone, and yielded with the
+    # ledger past the end of a rank's 4-batch epoch (which only the loader can tell)
+    for produced, error in ((None, r"\['yielded'\] is 5, but the workers produced 1"), (5, r"\['yielded'\] is 5 for an epoch of 4")):
+        edited = json.loads(json.dumps(old.states))
+        edited[1]["yielded"] = 5
+        if produced is not None:
+            edited[1]["workers"][0]["yielded"]["produced"] = produced
+        with pytest.raises(snaploader.CheckpointFormatError, match=error):
+            reshard([*edited[:1], resign(edited[1]), *edited[2:]], _factory(40), rank=0, world_size=3)
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        (("batch_size", 0), r"\['batch_size'\] is 0; expected >= 1"),
+        (("dataset_length", None), r"\['dataset_length'\] is None, but a DistributedSampler"),
+        (("distributed", "seed", 2**70), r"\['seed'\] is 1180591620717411303424; torch seeds fit in 64 bits"),
+        (("distributed", "num_replicas", 2**40), r"ranks \[4, 5, .* more are missing"),
+    ],
+)
+def test_a_resigned_fingerprint_edit_is_a_named_error_when_repartitioning(edit: tuple[Any, ...], error: str) -> None:
+    states = json.loads(json.dumps(_old_run(_factory(40), 40, 4, cut=1).states))
+    for state in states:
+        target = state["fingerprint"]
+        for key in edit[:-2]:
+            target = target[key]
+        target[edit[-2]] = edit[-1]
+    with pytest.raises(ValueError, match=error) as raised:
+        reshard([resign(state) for state in states], _factory(40), rank=0, world_size=3)
+    assert "num_replicas" in str(edit) or isinstance(raised.value, snaploader.CheckpointFormatError)
+
+
+@pytest.mark.parametrize(
+    "key, value, error",
+    [
+        ("dataset_length", 48, r"dataset_length: 48 in checkpoint / 40 in this loader"),
+        ("batch_size", 2, r"batch_size: 2 in checkpoint / 3 in this loader"),
+        ("consumed", [-1, 1, 1, 1], r"\['consumed'\]\[0\] is -1; expected an int from 0 to 4"),
+        ("consumed", [9, 1, 1, 1], r"\['consumed'\]\[0\] is 9; expected an int from 0 to 4"),
+        ("seed", 2**70, r"\['seed'\] is .*64 bits"),
+        ("batch_size", 0, r"\['batch_size'\] is 0; expected >= 1"),
+        ("dataset_length", None, r"\['dataset_length'\] should be int"),
+    ],
+)
+def test_a_resigned_edit_of_a_repartitioned_epoch_is_refused(key: str, value: Any, error: str) -> None:
+    make_loader = _factory(40)
+    old = _old_run(make_loader, 40, 4, cut=1)
+    _, saved, _ = _cut_new_world(old.states, make_loader, 3, 1)
+    for state in saved:
+        state["rest"]["source"][key] = value
+    edited = [_resigned_outer(state) for state in saved]
+    with pytest.raises((snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError), match=error):
+        reshard(edited, make_loader, rank=0, world_size=3)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize(
+    "entries, error",
+    [
+        ({"rank00_of_1": "{}"}, r"entries \['rank00_of_1'\], not one 'rank<r>_of_<N>'"),
+        ({"rank0_of_1": "not json"}, r"entry loader.rank0_of_1 is not JSON"),
+        ({"rank0_of_1": 7}, r"entry loader.rank0_of_1 is a int|cannot be read"),
+        ({"rank0_of_1": torch.zeros(2)}, r"cannot be read under 'loader'"),
+        ({"rank0_of_1": "[1, 2]"}, r"entry loader.rank0_of_1 holds a list, not a loader state"),
+    ],
+)
+def test_dcp_states_names_an_entry_it_cannot_use(tmp_path: Path, entries: dict[str, Any], error: str) -> None:
+    dcp.save({"loader": entries}, checkpoint_id=str(tmp_path / "bad"))
+    with pytest.raises(snaploader.CheckpointFormatError, match=error):
+        snaploader.distributed.dcp_states(str(tmp_path / "bad"))

@@ -153,9 +153,10 @@ def _upgrade(state: dict[str, Any], version: int) -> dict[str, Any]:
     return out
 
 
-def parse(state: Any) -> Checkpoint:
+def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
     """The typed checkpoint of ``state``, or a :class:`CheckpointFormatError` naming the
-    first problem (see the module docstring for the order)."""
+    first problem (see the module docstring for the order). ``verify_digest=False``
+    only for showing an edited state (``snaploader inspect``), never for loading it."""
     check_depth(state)
     if isinstance(state, dict) and "format" not in state and _TORCHDATA_KEYS & state.keys():
         raise CheckpointFormatError(
@@ -176,7 +177,8 @@ def parse(state: Any) -> Checkpoint:
             "the snaploader release that wrote it, or start the epoch afresh",
         )
     _fields("loader state", state, {"digest": (str,), "workers": (list,)})
-    check_digest(state)
+    if verify_digest:
+        check_digest(state)
     top = _fields("loader state", _upgrade(state, version), _TOP)
     fingerprint, distributed = _fingerprint(top["fingerprint"])
     epoch = _at_least("loader state['epoch']", top["epoch"], -1)
@@ -271,6 +273,8 @@ def _fingerprint(value: dict[str, Any]) -> tuple[dict[str, Any], DistributedArgs
     _at_least(f"{inner}['num_replicas']", shard["num_replicas"], 1)
     if not 0 <= shard["rank"] < shard["num_replicas"]:
         raise _fail(inner, f"has rank {shard['rank']} of num_replicas {shard['num_replicas']}; expected 0 <= rank < num_replicas")
+    if value["dataset_length"] is None:
+        raise _fail(f"{where}['dataset_length']", "is None, but a DistributedSampler reads its dataset's length")
     if shard["seed"] not in _SEED_RANGE:
         raise _fail(f"{inner}['seed']", f"is {shard['seed']}; torch seeds fit in 64 bits")
     return out, DistributedArgs(**{key: shard[key] for key in DISTRIBUTED_FIELDS})

@@ -5,14 +5,15 @@ checkpoint runs no code. A loader state is found at the top level, under ``--key
 dotted path; list items by number: ``loaders.0``), or by its format marker
 (``state["format"] == "snaploader"``) anywhere in nested dicts and lists.
 
-:func:`summarize` is the one place that reads the checkpoint's layout (see
-``_format/codec.py``); everything else here prints what it returns.
+:func:`summarize` reads the checkpoint through the loader's own parse
+(``_format/parse.py``), so inspect and ``load_state_dict`` agree on what is valid;
+everything else here prints what it returns. Every problem is one line on stderr and
+exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import io
 import json
 import os
@@ -23,7 +24,11 @@ from typing import Any, Final, TextIO
 
 import torch
 
-_FORMAT: Final = "snaploader"
+from .._errors import CheckpointFormatError
+from .._format.checkpoint import FORMAT, MAX_DEPTH, READABLE_VERSIONS, Checkpoint, check_depth
+from .._format.parse import parse
+from .._state.ledger import WorkerLedger
+
 _RNG_NAMES: Final = ("python random", "numpy", "torch")
 
 
@@ -31,49 +36,65 @@ class InspectError(Exception):
     """The file, the key or the state cannot be shown; the message says what to do."""
 
 
-# -- the checkpoint layout ------------------------------------------------------------
+# -- what a parsed checkpoint says ------------------------------------------------------
 
 
-def _rng_bytes(value: Any) -> bytes:
-    """RNG state bytes as stored: raw bytes, a uint8 tensor (version 1), or base64 text."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
-    if isinstance(value, str):
-        return base64.b64decode(value)
-    return bytes(value)
-
-
-def _moved(snapshot: dict[str, Any] | None) -> list[str] | None:
-    """The global RNGs a worker snapshot has moved from their seed state. The first
-    byte of the RNG bytes flags those still at it (bit 0 Python's random, bit 1 NumPy,
-    bit 2 torch); a capture without a seed reference (flag 0) counts all as moved."""
-    if snapshot is None:
-        return None
-    flags = _rng_bytes(snapshot["rng"])[0]
-    return [name for bit, name in enumerate(_RNG_NAMES) if not flags & (1 << bit)]
-
-
-def _worker_v1(slot: int, ledger: dict[str, Any]) -> dict[str, Any]:
-    yielded = ledger["yielded"]
-    complete = yielded if ledger["yielded_complete"] == "same as yielded" else ledger["yielded_complete"]
-    at = yielded if yielded is not None else ledger["epoch_start"]
+def _worker(slot: int, ledger: WorkerLedger) -> dict[str, Any]:
+    yielded, complete = ledger.yielded, ledger.yielded_complete
+    at = yielded if yielded is not None else ledger.epoch_start
     replay = 0
-    if yielded is not None and not yielded["complete"] and not yielded["exhausted"]:
-        replay = yielded["produced"] - (complete["produced"] if complete is not None else 0)
-    moved = _moved(at)
+    if yielded is not None and not yielded.complete and not yielded.exhausted:
+        replay = yielded.produced - (complete.produced if complete is not None else 0)
+    # The first byte of the RNG bytes flags the generators still at their seed state
+    # (bit 0 Python's random, bit 1 NumPy, bit 2 torch); no snapshot yet: all at it.
+    flags = 0b111 if at is None or not isinstance(at.rng, bytes) else at.rng[0]
     return {
         "worker": slot,
-        "batches_produced": 0 if yielded is None else yielded["produced"],
-        "exhausted": bool(ledger["exhausted"]),
-        "data_state": None if at is None or at["data"] is None else at["data_owner"],
+        "batches_produced": 0 if yielded is None else yielded.produced,
+        "exhausted": ledger.exhausted,
+        "data_state": None if at is None or at.data is None else at.data_owner,
         "replay_batches": replay,
-        "rng_moved": [] if moved is None else moved,  # no snapshot yet: at the seed
+        "rng_moved": [name for bit, name in enumerate(_RNG_NAMES) if not flags & (1 << bit)],
     }
 
 
-def _summarize_v1(state: dict[str, Any]) -> dict[str, Any]:
-    fingerprint = dict(state["fingerprint"])
-    epoch, ended, yielded = state["epoch"], state["ended"], state["yielded"]
+def _parsed(state: dict[str, Any]) -> tuple[Checkpoint, str]:
+    """The state parsed, and its integrity: an edit that leaves every field valid is
+    shown, marked; anything else is an :class:`InspectError`."""
+    version = state.get("version")
+    if version not in READABLE_VERSIONS:
+        raise InspectError(
+            f"this loader state has format version {version!r:.20}; this snaploader reads "
+            f"versions {', '.join(map(str, READABLE_VERSIONS))}. Inspect it with the "
+            "snaploader release that wrote it"
+        )
+    try:
+        return parse(state), "digest matches, fields valid"
+    except CheckpointFormatError as exc:
+        problem = str(exc)
+    try:
+        return parse(state, verify_digest=False), f"INVALID: {problem}"
+    except CheckpointFormatError as exc:
+        more = "" if str(exc) == problem else f"; {exc}"
+        raise InspectError(
+            f"this loader state (version {version}) is malformed: {problem}{more}. It was "
+            "edited or not written by snaploader's DataLoader.state_dict()"
+        ) from None
+
+
+def summarize(state: dict[str, Any]) -> dict[str, Any]:
+    """What a person (or a script) wants to know about a loader state: plain data,
+    read from the parsed checkpoint (``_format/parse.py``).
+
+    Keys: format, version, fingerprint (the arguments it was taken with), epoch,
+    batches_consumed, epoch_ended, next (what the next ``iter()`` does), rng_kind,
+    base_seed, sampler_state (held or not), workers (per worker: batches_produced,
+    exhausted, data_state (None, "dataset" or "iterator": whose ``state_dict()`` is
+    held), replay_batches (read again on resume), rng_moved (global RNGs no longer in
+    their seed state)), integrity, self_check_batches, logical_workers. Raises
+    :class:`InspectError` for a version it cannot read or a malformed state."""
+    checkpoint, integrity = _parsed(state)
+    epoch, ended, yielded = checkpoint.epoch, checkpoint.ended, checkpoint.yielded
     if epoch < 0:
         next_step = "the next iter() starts epoch 0"
     elif ended:
@@ -82,93 +103,52 @@ def _summarize_v1(state: dict[str, Any]) -> dict[str, Any]:
         # batch indices count from 0, as load_state_dict(skip_to=) takes them
         next_step = f"the next iter() continues epoch {epoch} at batch {yielded}"
     return {
-        "format": state["format"],
-        "version": state["version"],
-        "fingerprint": fingerprint,
+        "format": FORMAT,
+        "version": checkpoint.version,
+        "fingerprint": dict(checkpoint.fingerprint),
         "epoch": epoch,
         "batches_consumed": yielded,
         "epoch_ended": ended,
         "next": next_step,
-        "rng_kind": state["rng_kind"],
-        "base_seed": state["base_seed"],
-        "sampler_state": state["sampler_state"] is not None,
-        "workers": [_worker_v1(i, ledger) for i, ledger in enumerate(state["workers"])],
+        "rng_kind": checkpoint.rng_kind,
+        "base_seed": checkpoint.base_seed,
+        "sampler_state": checkpoint.sampler_state is not None,
+        "workers": [_worker(i, ledger) for i, ledger in enumerate(checkpoint.workers)],
+        "integrity": integrity,
+        "self_check_batches": sum(entry is not None for entry in checkpoint.next_batches),
+        "logical_workers": checkpoint.logical_workers,
     }
-
-
-def _summarize_v2(state: dict[str, Any]) -> dict[str, Any]:
-    # Version 2 keeps version 1's fields (RNG bytes as base64), adds an integrity
-    # digest and the resume self-check's digests of prefetched batches.
-    from .._format.parse import parse as validate
-    from .._errors import CheckpointFormatError
-
-    summary = _summarize_v1(state)
-    try:
-        validate(state)
-        summary["integrity"] = "digest matches, fields valid"
-    except CheckpointFormatError as exc:
-        summary["integrity"] = f"INVALID: {exc}"
-    summary["self_check_batches"] = sum(entry is not None for entry in state["next_batches"])
-    return summary
-
-
-def _summarize_v3(state: dict[str, Any]) -> dict[str, Any]:
-    # Version 3 adds the logical worker count (docs/elastic.md) and each ledger's index.
-    summary = _summarize_v2(state)
-    summary["logical_workers"] = state.get("logical_workers")
-    return summary
-
-
-_SUMMARIZERS: Final = {1: _summarize_v1, 2: _summarize_v2, 3: _summarize_v3}
-
-
-def summarize(state: dict[str, Any]) -> dict[str, Any]:
-    """What a person (or a script) wants to know about a loader state: plain data.
-
-    Keys: format, version, fingerprint (the arguments it was taken with), epoch,
-    batches_consumed, epoch_ended, next (what the next ``iter()`` does), rng_kind,
-    base_seed, sampler_state (held or not), workers (per worker: batches_produced,
-    exhausted, data_state (None, "dataset" or "iterator": whose ``state_dict()`` is
-    held), replay_batches (read again on resume), rng_moved (global RNGs no longer in
-    their seed state)). Raises :class:`InspectError` for a version it cannot read or a
-    state missing a key."""
-    version = state.get("version")
-    summarizer = _SUMMARIZERS.get(version) if isinstance(version, int) else None
-    if summarizer is None:
-        raise InspectError(
-            f"this loader state has format version {version!r}; this snaploader reads "
-            f"version {', '.join(map(str, _SUMMARIZERS))}. Inspect it with the snaploader "
-            "release that wrote it"
-        )
-    try:
-        return summarizer(state)
-    except (KeyError, TypeError, IndexError) as exc:
-        raise InspectError(
-            f"this loader state (version {version}) is malformed near {exc!s:.80}; it was "
-            "edited or not written by snaploader's DataLoader.state_dict()"
-        ) from exc
 
 
 # -- finding loader states in a checkpoint ----------------------------------------------
 
 
 def _is_state(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("format") == _FORMAT
+    return isinstance(value, dict) and value.get("format") == FORMAT
 
 
-def find_states(value: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
-    """(dotted key path, loader state) for every loader state in ``value``."""
-    if _is_state(value):
-        yield path, value
-        return
-    if isinstance(value, dict):
-        items: Iterator[tuple[Any, Any]] = iter(value.items())
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return
-    for key, item in items:
-        yield from find_states(item, f"{path}.{key}" if path else str(key))
+def find_states(value: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(dotted key path, loader state) for every loader state in ``value``, in order.
+    Iterative, and no deeper than a checkpoint nests (NOTE [ checkpoint limits ])."""
+    stack: list[tuple[str, Any, int]] = [("", value, 0)]
+    while stack:
+        path, item, depth = stack.pop()
+        if _is_state(item):
+            yield path, item
+            continue
+        if depth > MAX_DEPTH:
+            raise InspectError(
+                f"the file nests dicts and lists more than {MAX_DEPTH} deep at "
+                f"{path[:60]}...; it holds no loader state snaploader wrote there"
+            )
+        if isinstance(item, dict):
+            children: list[tuple[Any, Any]] = list(item.items())
+        elif isinstance(item, (list, tuple)):
+            children = list(enumerate(item))
+        else:
+            continue
+        for key, child in reversed(children):
+            stack.append((f"{path}.{key}" if path else str(key), child, depth + 1))
 
 
 def follow(value: Any, key: str) -> Any:
@@ -247,7 +227,14 @@ def inspect(path: str, key: str | None) -> list[dict[str, Any]]:
             f"{path} holds no snaploader loader state{top}: no dict whose 'format' is "
             "'snaploader' anywhere in it. Save loader.state_dict() in the checkpoint"
         )
-    return [{"key": where, "size_bytes": size_bytes(state), **summarize(state)} for where, state in states]
+    entries = []
+    for where, state in states:
+        try:
+            check_depth(state)
+        except CheckpointFormatError as exc:
+            raise InspectError(str(exc)) from None
+        entries.append({"key": where, "size_bytes": size_bytes(state), **summarize(state)})
+    return entries
 
 
 # -- printing -------------------------------------------------------------------------
@@ -314,16 +301,23 @@ def run_parsed(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         entries = inspect(args.checkpoint, args.key)
     except InspectError as exc:
-        print(f"snaploader inspect: {exc}", file=err)
+        print(f"snaploader inspect: {' '.join(str(exc).split())}", file=err)
         return 2
-    if args.json:
-        print(json.dumps({"file": args.checkpoint, "states": entries}, indent=2), file=out)
-        return 0
-    for i, entry in enumerate(entries):
-        if i:
-            print("", file=out)
-        for line in render(entry):
-            print(line, file=out)
+    try:
+        if args.json:
+            print(json.dumps({"file": args.checkpoint, "states": entries}, indent=2), file=out)
+            return 0
+        for i, entry in enumerate(entries):
+            if i:
+                print("", file=out)
+            for line in render(entry):
+                print(line, file=out)
+        out.flush()
+    except BrokenPipeError:
+        # The reader (``| head``) has what it wanted; the interpreter's own flush at
+        # exit must not write into the closed pipe either.
+        if out is sys.stdout:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .._errors import CheckpointFormatError
-from .._format.checkpoint import sha256_of
+from .._errors import CheckpointFormatError, CheckpointMismatchError
+from .._format.checkpoint import check_depth, sha256_of
 from .._loader import DataLoader
 from .rules import Source, World, gather, hosted, remaining, require_in_order, sampler_for, share
 
@@ -198,6 +198,31 @@ class ReshardedLoader:
         )
 
 
+def _check_resharded(state: dict[str, Any], where: str) -> None:
+    """A ReshardedLoader's state, checked as the parse checks a loader state: its digest
+    first, then every field's type and range (the loader states it holds are parsed
+    when they are loaded)."""
+    body = {key: value for key, value in state.items() if key != "digest"}
+    if state.get("version") != _VERSION:
+        raise CheckpointFormatError(f"{where} has version {state.get('version')!r:.20}; this snaploader reads {_VERSION}")
+    check_depth(state, where)
+    try:
+        intact = state.get("digest") == "sha256:" + sha256_of(body)
+    except (TypeError, ValueError):
+        intact = False
+    if not intact:
+        raise CheckpointFormatError(f"{where} was modified or corrupted after state_dict() made it")
+    if set(state) != {"format", "version", "rank", "world_size", "loaders", "rest", "digest"}:
+        raise CheckpointFormatError(f"{where} has the keys {sorted(state)}, not a ReshardedLoader state's")
+    rank, size, rest = state["rank"], state["world_size"], state["rest"]
+    if type(rank) is not int or type(size) is not int or not 0 <= rank < size:
+        raise CheckpointFormatError(f"{where} has rank {rank!r:.20} of world_size {size!r:.20}; expected ints with 0 <= rank < world_size")
+    if not isinstance(state["loaders"], list) or (rest is not None and state["loaders"]):
+        raise CheckpointFormatError(f"{where}['loaders'] should be a list, empty during a re-partitioned epoch")
+    if rest is not None and not (isinstance(rest, dict) and set(rest) == {"source", "loader"} and isinstance(rest["loader"], dict)):
+        raise CheckpointFormatError(f"{where}['rest'] should be None or {{'source': ..., 'loader': <a loader state>}}")
+
+
 def _unwrap(states: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The plain loader checkpoints in ``states`` (a ReshardedLoader's contributes its
     loaders'), and the ReshardedLoader states taken during a re-partitioned epoch."""
@@ -206,16 +231,7 @@ def _unwrap(states: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             flat.append(state)
             continue
-        body = {key: value for key, value in state.items() if key != "digest"}
-        where = f"checkpoint {place} of the list (a ReshardedLoader's)"
-        if state.get("version") != _VERSION:
-            raise CheckpointFormatError(f"{where} has version {state.get('version')!r}; this snaploader reads {_VERSION}")
-        try:
-            intact = state.get("digest") == "sha256:" + sha256_of(body)
-        except (TypeError, ValueError):
-            intact = False
-        if not intact or not isinstance(state.get("loaders"), list):
-            raise CheckpointFormatError(f"{where} was modified or corrupted after state_dict() made it")
+        _check_resharded(state, f"checkpoint {place} of the list (a ReshardedLoader's)")
         if state["rest"] is not None:
             during.append(state)
         flat.extend(state["loaders"])
@@ -226,17 +242,20 @@ def _resume_during(during: list[dict[str, Any]], total: int, rank: int, world_si
     sizes = {state["world_size"] for state in during}
     ranks = sorted(state["rank"] for state in during)
     if len(during) != total or sizes != {world_size} or ranks != list(range(world_size)):
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"the checkpoints were taken during an epoch re-partitioned onto {sorted(sizes)} rank(s) "
             f"(ranks {ranks} of them given, {total} checkpoints in all): such an epoch resumes only "
             f"on the same world size, from all its ranks' checkpoints; got world_size={world_size}. "
             "Resume on that world size, and change it again from a checkpoint taken after the epoch"
         )
     mine = next(state for state in during if state["rank"] == rank)
-    sources = {sha256_of(state["rest"]["source"]) for state in during}
-    if len(sources) > 1:
-        raise ValueError("the ranks' checkpoints describe different re-partitioned epochs; pass checkpoints of one run, one step")
-    return Source.from_plain(mine["rest"]["source"], "the re-partition source"), mine["rest"]["loader"]
+    source = Source.from_plain(mine["rest"]["source"], f"rank {rank}'s re-partition source")
+    others = {sha256_of(state["rest"]["source"]) for state in during}
+    if len(others) > 1:
+        raise CheckpointMismatchError(
+            "the ranks' checkpoints describe different re-partitioned epochs; pass checkpoints of one run, one step"
+        )
+    return source, mine["rest"]["loader"]
 
 
 def _epoch_of(world: World) -> int | None:
@@ -259,8 +278,9 @@ def reshard(
     order). ``make_loader(sampler)`` builds a new snaploader DataLoader with that
     sampler and the old run's other arguments (called once per loader needed).
 
-    Raises ``ValueError`` (a subclass for a checkpoint: CheckpointFormatError,
-    CheckpointMismatchError) naming what does not fit: a rank missing or given twice,
+    Raises ``ValueError`` (for the checkpoints, a subclass: CheckpointFormatError, or
+    CheckpointMismatchError when they do not make one world) naming what does not fit:
+    a rank missing or given twice,
     checkpoints of different epochs or loaders, a sampler that is not torch's
     DistributedSampler, a hosting world whose ranks stand at different steps."""
     if type(world_size) is not int or type(rank) is not int or not 0 <= rank < world_size:
@@ -269,6 +289,7 @@ def reshard(
     if during:
         source, state = _resume_during(during, len(states), rank, world_size)
         loader = _build(make_loader, RemainderSampler(share(remaining(source), source.batch_size, rank, world_size)))
+        _check_source(source, loader)
         loader.load_state_dict(state)
         return ReshardedLoader(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
@@ -278,7 +299,7 @@ def reshard(
     if world.size % world_size == 0:
         if len(set(world.positions)) > 1:
             shown = ", ".join(f"rank {r}: {y} batches of epoch {e}{' (ended)' if ended else ''}" for r, (e, ended, y) in enumerate(world.positions))
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"hosting {world.size} ranks on {world_size} needs every old rank at the same step, "
                 f"to keep the global batches; the checkpoints stand at {shown}. Pass the "
                 "checkpoints every rank saved at one step"
@@ -292,6 +313,7 @@ def reshard(
             mode="hosting", rank=rank, world_size=world_size, make_loader=make_loader, combine=combine,
             loaders=loaders, epoch=_epoch_of(world), logical_ranks=tuple(hosted(world.size, rank, world_size)),
         )
+    _check_world(world, make_loader)
     if world.source.sampler_epoch is None:  # no epoch under way: the M-rank sampler now
         after = _build(make_loader, sampler_for(world.source, world_size, rank, _epoch_of(world)))
         return ReshardedLoader(
@@ -307,14 +329,50 @@ def reshard(
     )
 
 
-_RANK_KEY: Final = re.compile(r"rank(\d+)_of_(\d+)")
+def _check_world(world: World, make_loader: LoaderFactory) -> None:
+    """Re-partitioning loads no old rank's checkpoint, so each is checked as hosting
+    would check it (the fingerprint: a grown dataset is refused; the position's
+    consistency) by loading it into a loader that is then dropped."""
+    for rank, state in enumerate(world.states):
+        probe = _build(make_loader, sampler_for(world.source, world.size, rank, None))
+        try:
+            probe.load_state_dict(state)
+        except (CheckpointFormatError, CheckpointMismatchError) as exc:
+            raise type(exc)(f"rank {rank}'s checkpoint: {exc}") from None
+
+
+def _check_source(source: Source, loader: DataLoader[Any]) -> None:
+    """The re-partition source must describe the loader now built (a ReshardedLoader's
+    state records it apart from the loader's own checkpoint)."""
+    try:
+        length: int | None = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    pairs = {
+        "dataset_length": (source.dataset_length, length),
+        "batch_size": (source.batch_size, loader.batch_size),
+        "drop_last": (source.drop_last, loader.drop_last),
+    }
+    lines = [f"  {key}: {old!r} in checkpoint / {new!r} in this loader" for key, (old, new) in pairs.items() if old != new]
+    if lines:
+        raise CheckpointMismatchError(
+            "the re-partitioned epoch was taken from loaders built differently:\n" + "\n".join(lines)
+            + "\nBuild the loaders with the checkpoint's arguments to resume it"
+        )
+
+
+# No leading zeros: the entry read back is named by its canonical key.
+_RANK_KEY: Final = re.compile(r"rank(0|[1-9][0-9]*)_of_([1-9][0-9]*)")
 
 
 def dcp_states(checkpoint_id: str, key: str = "loader") -> list[dict[str, Any]]:
     """Every rank's loader state in a filesystem DCP checkpoint saved with
     ``{key: snaploader.dcp_state(loader)}``, in rank order: what :func:`reshard` takes.
-    Call it on every new rank (``dcp.load`` is collective within a process group)."""
+    Call it on every new rank (``dcp.load`` is collective within a process group).
+    DCP reads its metadata with pickle: the directory must be trusted as a whole
+    (docs/dcp.md); what the entries hold is checked here and by :func:`reshard`."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     names = [
         name[len(key) + 1 :]
@@ -331,6 +389,26 @@ def dcp_states(checkpoint_id: str, key: str = "loader") -> list[dict[str, Any]]:
             f"{{{key!r}: snaploader.dcp_state(loader)}}"
         )
     target: dict[str, Any] = {key: {name: "" for name in names}}
-    dcp.load(target, checkpoint_id=checkpoint_id)
+    try:
+        dcp.load(target, checkpoint_id=checkpoint_id)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointFormatError(
+            f"the DCP checkpoint {checkpoint_id!r} cannot be read under {key!r} as snaploader's "
+            f"JSON entries ({type(exc).__name__}: {str(exc)[:200]}); save each rank's loader "
+            f"with {{{key!r}: snaploader.dcp_state(loader)}}"
+        ) from None
     (size,) = sizes
-    return [json.loads(target[key][f"rank{rank}_of_{size}"]) for rank in range(size)]
+    return [_entry(checkpoint_id, key, f"rank{rank}_of_{size}", target[key][f"rank{rank}_of_{size}"]) for rank in range(size)]
+
+
+def _entry(checkpoint_id: str, key: str, name: str, text: Any) -> dict[str, Any]:
+    where = f"the DCP checkpoint {checkpoint_id!r}'s entry {key}.{name}"
+    if not isinstance(text, str):
+        raise CheckpointFormatError(f"{where} is a {type(text).__name__}, not the JSON text snaploader.dcp_state writes")
+    try:
+        state = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointFormatError(f"{where} is not JSON ({str(exc)[:100]}); it was not written by snaploader.dcp_state") from None
+    if not isinstance(state, dict):
+        raise CheckpointFormatError(f"{where} holds a {type(state).__name__}, not a loader state")
+    return state

@@ -53,13 +53,36 @@ class Source:
 
     @classmethod
     def from_plain(cls, plain: Any, where: str) -> Source:
-        try:
-            source = cls(**{**plain, "consumed": tuple(plain["consumed"])})
-        except (TypeError, KeyError) as exc:
-            raise CheckpointFormatError(f"{where} is not a re-partition source ({exc})") from None
-        ints = [source.num_replicas, source.seed, source.dataset_length, source.batch_size, *source.consumed]
-        if not all(type(value) is int for value in ints) or len(source.consumed) != source.num_replicas:
-            raise CheckpointFormatError(f"{where} holds a count that is not an int, or not one per old rank")
+        """The source ``plain`` describes, every field checked as the parse of a loader
+        state checks its own (``_format/parse.py``)."""
+        types = {
+            "num_replicas": int, "shuffle": bool, "seed": int, "sampler_drop_last": bool,
+            "dataset_length": int, "batch_size": int, "drop_last": bool,
+        }
+        if not isinstance(plain, dict) or set(plain) != {*types, "sampler_epoch", "consumed"}:
+            raise CheckpointFormatError(f"{where} is not a re-partition source: it should hold {sorted({*types, 'sampler_epoch', 'consumed'})}")
+        for key, kind in types.items():
+            if type(plain[key]) is not kind:
+                raise CheckpointFormatError(f"{where}[{key!r}] should be {kind.__name__}, got {plain[key]!r:.60}")
+        epoch, consumed = plain["sampler_epoch"], plain["consumed"]
+        if epoch is not None and (type(epoch) is not int or epoch < 0):
+            raise CheckpointFormatError(f"{where}['sampler_epoch'] should be None or an int >= 0, got {epoch!r:.60}")
+        lows = {"num_replicas": 1, "dataset_length": 0, "batch_size": 1}
+        for key, low in lows.items():
+            if plain[key] < low:
+                raise CheckpointFormatError(f"{where}[{key!r}] is {plain[key]}; expected >= {low}")
+        if not -(2**63) <= plain["seed"] < 2**63:
+            raise CheckpointFormatError(f"{where}['seed'] is {plain['seed']}; torch seeds fit in 64 bits")
+        if not isinstance(consumed, list) or len(consumed) != plain["num_replicas"]:
+            raise CheckpointFormatError(f"{where}['consumed'] should be a list of one count per old rank ({plain['num_replicas']})")
+        source = cls(**{**plain, "consumed": tuple(consumed)})
+        per_rank = rank_batches(source)
+        for rank, count in enumerate(consumed):
+            if type(count) is not int or not 0 <= count <= per_rank:
+                raise CheckpointFormatError(
+                    f"{where}['consumed'][{rank}] is {count!r:.60}; expected an int from 0 to {per_rank}, "
+                    "the batches of one old rank's epoch"
+                )
         return source
 
 
@@ -164,7 +187,7 @@ def gather(states: Sequence[dict[str, Any]]) -> World:
         # by_rank's ranks are distinct and below size: the first missing ones are found
         # among the first len(by_rank) + 10, whatever size is.
         missing = [r for r in range(min(size, len(by_rank) + 10)) if r not in by_rank]
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"the checkpoints are of a {size}-rank run, but ranks {missing}"
             f"{f' and {size - len(by_rank) - len(missing)} more' if size - len(by_rank) > len(missing) else ''} "
             f"are missing (got {sorted(by_rank)}): "
@@ -204,7 +227,7 @@ def _source_of(checkpoints: list[Checkpoint]) -> Source:
     epochs = {(c.epoch, c.sampler_epoch) for c in checkpoints}
     if len(epochs) > 1:
         shown = ", ".join(f"rank {r}: epoch {c.epoch} (sampler epoch {c.sampler_epoch})" for r, c in enumerate(checkpoints))
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"the checkpoints are from different epochs ({shown}); pass the checkpoints "
             "every rank saved at the same step"
         )
@@ -230,6 +253,15 @@ def _batches(items: list[Any], fingerprint: dict[str, Any]) -> list[list[Any]]:
     size, drop_last = fingerprint["batch_size"], fingerprint["drop_last"]
     cut = [items[at : at + size] for at in range(0, len(items), size)]
     return cut[:-1] if cut and drop_last and len(cut[-1]) < size else cut
+
+
+def rank_batches(source: Source) -> int:
+    """The batches of one old rank's epoch (DistributedSampler gives every rank as many
+    samples)."""
+    n, size = source.dataset_length, source.num_replicas
+    samples = -(-(n - size) // size) if source.sampler_drop_last and n % size else -(-n // size)
+    samples = max(samples, 0)
+    return samples // source.batch_size if source.drop_last else -(-samples // source.batch_size)
 
 
 def hosted(old_size: int, rank: int, world_size: int) -> range:
