@@ -395,9 +395,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 stateful.load_state_dict(restore.sampler_state["state"])
         if restore.rng_next is not None and self.generator is not None:
             RngSource(self.generator).set_state(restore.rng_next)
-        if restore.dataset_state is not None:
-            getattr(self.dataset, "load_state_dict")(restore.dataset_state)
-        self._pending = restore.start
+        # The dataset's own state is loaded at the next iter(), when the epoch starts
+        # (_epoch/iterator.py), not here: loading it now would run user code that may set
+        # the global RNGs under the training loop, and an iterator abandoned before the
+        # iter() could still move it.
+        self._pending = replace(restore.start, dataset_state=restore.dataset_state)
         self._pending_state = dict(state)
         self._progress = None
 

@@ -166,3 +166,124 @@ def test_hf_shuffle_buffer_through_its_own_protocol_is_not_exact() -> None:
         tail = [batch["x"] for batch in resumed]
     got = torch.cat(head + tail).tolist()
     assert got != torch.cat(full).tolist() and len(set(got)) < 400
+
+
+# -- num_workers=0: the main process hosts the stream (torchdata's test suite) -------------
+
+
+class _GlobalRngState(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Its state is torch's global RNG state (torchdata's DummyMapDataset): loading it
+    outside the stream's RNG swap would overwrite the training loop's RNG."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"g": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["g"])
+
+
+def test_inline_calls_into_the_dataset_protocol_with_the_streams_rng_swapped_in() -> None:
+    # No generator: each epoch's shuffle draws from the global RNG, as in torch. A
+    # checkpoint loaded between epochs must leave the loop's RNG where it was.
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(_GlobalRngState(), batch_size=2, shuffle=True)
+
+    torch.manual_seed(0)
+    first = make()
+    got = [torch.cat(list(first)).tolist() for _ in range(2)]
+    state = through_bytes(first.state_dict())
+    resumed = make()
+    loop_rng = torch.get_rng_state()
+    resumed.load_state_dict(state)
+    assert torch.equal(torch.get_rng_state(), loop_rng)
+    got += [torch.cat(list(resumed)).tolist() for _ in range(2)]
+    torch.manual_seed(0)
+    uninterrupted = make()
+    assert got == [torch.cat(list(uninterrupted)).tolist() for _ in range(4)]
+
+
+class _EpochCounting(IterableDataset[tuple[int, int]]):
+    """torchdata's GeneratorIterable: its position and epoch live on the dataset; a
+    loaded position is taken up by the next __iter__, and the epoch counts up at the
+    end of each pass."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i, self.epoch = n, 0, 0
+        self.resume: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        self.i = 0
+        if self.resume is not None:
+            self.i, self.resume = self.resume, None
+        for j in range(self.i, self.n):
+            self.i += 1
+            yield (j, self.epoch)
+        self.i = 0
+        self.epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"i": self.i, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resume, self.epoch = state["i"], state["epoch"]
+
+
+def test_inline_a_stale_position_of_an_abandoned_iterator_does_not_override_the_checkpoint() -> None:
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(_EpochCounting(30), batch_size=None)
+
+    original = make()
+    list(original)
+    state = through_bytes(original.state_dict())
+    want = [list(original), list(original)]
+    assert [x[1] for x in want[0]] == [1] * 30
+    loader = make()
+    abandoned = iter(loader)
+    take(abandoned, 2)
+    loader.load_state_dict(state)
+    got = [list(loader), list(loader)]
+    assert got == want
+
+
+class _StateAfterIter(IterableDataset[int]):
+    """torchdata's CountIterCallsIter: the dataset is its own iterator, and its state
+    exists only once __iter__ has run."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _StateAfterIter:
+        self.curr = 0
+        return self
+
+    def __next__(self) -> int:
+        if self.curr >= self.n:
+            raise StopIteration
+        self.curr += 1
+        return self.curr - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"curr": self.curr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.curr = state["curr"]
+
+
+def test_inline_a_dataset_whose_state_exists_only_after_iter_resumes() -> None:
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(_StateAfterIter(40), batch_size=None)
+
+    loader = make()
+    it = iter(loader)
+    head = take(it, 10)
+    state = through_bytes(loader.state_dict())
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == list(range(40))
+    assert list(resumed) == list(range(40))

@@ -283,6 +283,10 @@ class EpochStart:
     skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
     logical: int | None = None  # the epoch's logical worker count (None: the loader's)
     in_order: bool = True  # False: a restored epoch yielded out of the fixed order
+    # A checkpoint taken at num_workers=0 between epochs: the dataset's own state at the
+    # end of the last one, loaded into the dataset at this epoch's start (it carries
+    # over at num_workers=0, as in torch). None: nothing to load.
+    dataset_state: Any = None
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:
