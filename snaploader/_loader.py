@@ -15,14 +15,14 @@ import torch.utils.data as torch_data
 from ._format.codec import build_state, read_state
 from ._format.fingerprint import Fingerprint, fingerprint_of
 from ._format.schema import LoaderFacts
-from ._errors import ReplayRefusedError
+from ._errors import ReplayRefusedError, user_stacklevel
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
 from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
 from ._epoch.plan import stateful_part
-from ._state.records import has_state_protocol
+from ._state.records import has_state_protocol, lossy_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count, state_with_skip
 
@@ -90,11 +90,14 @@ class DataLoader(torch_data.DataLoader[_T_co]):
       given ``get_worker_info()`` as torch's worker k), hosted by ``num_workers``
       processes (the main process at 0). A checkpoint resumes exactly whatever the
       ``num_workers`` of the loader it is loaded into; see ``docs/elastic.md``.
-    * ``state_protocol`` (bool, default True): use the dataset's (or its iterator's)
-      own ``state_dict()``/``load_state_dict()`` in checkpoints. False ignores them:
-      an iterable is then resumed by replaying from the epoch start, exactly, which
-      is what a dataset whose protocol loses data (a shuffle buffer it does not save)
-      needs; a map-style dataset's own state is then not restored.
+    * ``state_protocol`` (bool or None, default None): True uses the dataset's (or its
+      iterator's) own ``state_dict()``/``load_state_dict()`` in checkpoints. False
+      ignores them: an iterable is then resumed by replaying from the epoch start,
+      exactly, which is what a dataset whose protocol loses data (a shuffle buffer it
+      does not save) needs; a map-style dataset's own state is then not restored.
+      None: True, except for datasets known to lose data through their protocol
+      (Hugging Face's ``IterableDataset.shuffle(buffer_size=...)``), which are resumed
+      as with False, announced by a warning; see ``docs/iterable.md``.
 
     Differences from torch are listed in ``docs/differences.md``.
     """
@@ -126,7 +129,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         rng_objects: Callable[[], Any] | None = None,
         exclude_rngs: Iterable[str] | Callable[[str, Any], bool] = (),
         snapshot_every_n_steps: int | None = None,
-        state_protocol: bool = True,
+        state_protocol: bool | None = None,
         logical_workers: int | None = None,
     ) -> None:
         super().__init__(
@@ -175,9 +178,20 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self.rng_objects = rng_objects
         self.exclude_rngs = _checked_exclude(exclude_rngs)
         self._rng_census = RngCensus()
-        if not isinstance(state_protocol, bool):
-            raise ValueError(f"state_protocol should be True or False, got {state_protocol!r}")
-        self.state_protocol = state_protocol
+        if state_protocol is not None and not isinstance(state_protocol, bool):
+            raise ValueError(f"state_protocol should be True, False or None, got {state_protocol!r}")
+        self._lossy_protocol = lossy_state_protocol(dataset) if state_protocol is None else None
+        if self._lossy_protocol is not None:
+            warnings.warn(
+                f"{self._lossy_protocol}. snaploader resumes it exactly by replay from the "
+                "epoch start instead (as with state_protocol=False), which reads the "
+                "epoch's batches before the checkpoint again; pass state_protocol=False to "
+                "say so and silence this, or state_protocol=True to resume through the "
+                "dataset's own state anyway (not exact)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        self.state_protocol = self._lossy_protocol is None if state_protocol is None else state_protocol
         if logical_workers is None:
             logical_workers = num_workers
         if not isinstance(logical_workers, int) or isinstance(logical_workers, bool) or logical_workers < 0:
@@ -233,6 +247,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             exclude_rngs=self.exclude_rngs,
             rng_census=self._rng_census,
             state_protocol=self.state_protocol,
+            lossy_protocol=self._lossy_protocol,
             logical_workers=self.logical_workers,
             in_order=self.in_order,
         )
@@ -380,7 +395,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             if any(replays):
                 raise ReplayRefusedError(
                     replay_message(
-                        self.dataset, replays, refused=True, state_protocol=self.state_protocol
+                        self.dataset, replays, refused=True, state_protocol=self.state_protocol,
+                        lossy=self._lossy_protocol,
                     )
                 )
         # An iterator that went on would yield the old stream while state_dict()

@@ -194,6 +194,7 @@ class SnapIterator:
             replays,
             refused=mode == "refuse",
             state_protocol=self.settings.state_protocol,
+            lossy=self.settings.lossy_protocol,
         )
         if mode == "refuse":
             raise ReplayRefusedError(message)

@@ -40,6 +40,7 @@ class LoaderSettings:
     exclude_rngs: Any = None
     rng_census: RngCensus | None = None
     state_protocol: bool = True
+    lossy_protocol: str | None = None  # why state_protocol was turned off for this dataset
     logical_workers: int = 0  # the stream's worker count for a new epoch (_workers/process_main.py)
     in_order: bool = True  # False: yield each worker's batches as they come (_epoch/dispatch.py)
 

@@ -306,11 +306,13 @@ class EpochStart:
 
 
 def replay_message(
-    dataset: Any, replays: list[int], *, refused: bool, state_protocol: bool = True
+    dataset: Any, replays: list[int], *, refused: bool, state_protocol: bool = True,
+    lossy: str | None = None,
 ) -> str:
     """Why a resume of ``dataset`` replays ``replays[w]`` batches in worker ``w``, and
     how to avoid it; for the warning (``refused=False``) or ReplayRefusedError.
-    ``state_protocol``: the loader's option of that name."""
+    ``state_protocol``: the loader's option of that name; ``lossy``: why the loader
+    turned the dataset's own protocol off by itself (``lossy_state_protocol``)."""
     name = type(dataset).__qualname__
     per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
     if state_protocol:
@@ -322,6 +324,13 @@ def replay_message(
             "implement state_dict()/load_state_dict() returning plain data on the "
             "iterator or the dataset to resume without reading skipped data "
             "(docs/iterable.md)"
+        )
+    elif lossy is not None:
+        why = f"instead of through its own state_dict(), because {lossy}"
+        fix = (
+            "give the dataset a state_dict() that saves everything it needs, or build the "
+            "loader with state_protocol=True to resume through the dataset's own state "
+            "anyway (not exact)"
         )
     else:
         why = "because the loader was built with state_protocol=False"
