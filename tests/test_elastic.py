@@ -233,3 +233,32 @@ def test_the_checkpoint_records_the_logical_workers() -> None:
     state = loader.state_dict()
     assert state["logical_workers"] == 4 and [w["worker"] for w in state["workers"]] == [0, 1, 2, 3]
     assert state["fingerprint"]["num_workers"] == 2
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [
+    ({"num_workers": 2, "persistent_workers": True}, {"num_workers": 0}),
+    ({"num_workers": 0}, {"num_workers": 2, "persistent_workers": True}),
+    ({"num_workers": 2, "persistent_workers": True}, {"num_workers": 2}),
+])
+@pytest.mark.parametrize("make", [_map_loader, _iterable_loader])
+def test_persistent_workers_is_no_mismatch_and_the_next_epoch_follows_the_new_loader(
+    make: Any, saved: dict[str, Any], resumed: dict[str, Any]
+) -> None:
+    # The common elastic resume: a checkpoint of a persistent loader resumed on a laptop
+    # with num_workers=0 (torch forbids persistent workers there), and back. The rest
+    # of the interrupted epoch (the second: persistent workers carried the first's
+    # states into it) is exact; the next epoch is the new loader's.
+    saved, resumed = dict(saved), dict(resumed)
+    workers = saved.pop("num_workers")
+    reference = epochs(make(workers, **saved), 3)
+    before, state = _cut(make, workers, 1, 3, **saved)
+    loader = make(resumed.pop("num_workers"), None, **resumed)
+    loader.load_state_dict(state)
+    rest = list(loader)
+    assert_same_stream(before + rest, reference[0] + reference[1], f"{saved} -> {loader.num_workers} workers")
+    following = [list(loader) for _ in range(2)]
+    assert all(len(epoch) == len(reference[2]) for epoch in following)
+    if make is _map_loader:
+        # get_worker_info() as the new loader gives it: None at 0, else its workers
+        want = -1.0 if loader.num_workers == 0 else float(loader.num_workers)
+        assert {b[j, -1].item() for epoch in following for b in epoch for j in range(len(b))} == {want}

@@ -110,7 +110,7 @@ def test_checkpoints_of_one_setting_do_not_load_into_the_other() -> None:
     _, by_replay = _cut(with_dataset_state(state_protocol=False), 3)
     with pytest.raises(snaploader.CheckpointFormatError, match="taken with state_protocol=False resumes only"):
         with_dataset_state().load_state_dict(by_replay)
-    with pytest.raises(ValueError, match="state_protocol should be True or False, got 1"):
+    with pytest.raises(ValueError, match="state_protocol should be True, False or None, got 1"):
         _loader(0, state_protocol=1)
 
 
@@ -134,35 +134,291 @@ def _hf_loader(num_workers: int, **kwargs: Any) -> snaploader.DataLoader:
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.integration
 def test_hf_shuffle_buffer_resumes_exactly_with_state_protocol_false(num_workers: int) -> None:
-    full = [batch["x"] for batch in _hf_loader(num_workers, state_protocol=False)]
+    full, resumed = _hf_cut_and_resumed(num_workers, state_protocol=False, replay="allow")
     assert sorted(torch.cat(full).tolist()) == list(range(400))
-    loader = _hf_loader(num_workers, state_protocol=False, replay="allow")
+    assert_same_stream(resumed, full, "HF shuffle, resumed by replay")
+
+
+def _hf_cut_and_resumed(num_workers: int, **kwargs: Any) -> tuple[list[Any], list[Any]]:
+    """The uninterrupted epoch, and the epoch cut after 17 batches and resumed by a new
+    loader, built with ``kwargs``."""
+    full = [batch["x"] for batch in _hf_loader(num_workers, **kwargs)]
+    loader = _hf_loader(num_workers, **kwargs)
     it = iter(loader)
     head = [batch["x"] for batch in take(it, 17)]
     state = through_bytes(loader.state_dict())
     del it
-    resumed = _hf_loader(num_workers, state_protocol=False, replay="allow")
+    resumed = _hf_loader(num_workers, **kwargs)
     resumed.load_state_dict(state)
-    tail = [batch["x"] for batch in resumed]
-    assert_same_stream(head + tail, full, "HF shuffle, resumed by replay")
+    return full, head + [batch["x"] for batch in resumed]
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 def test_hf_shuffle_buffer_through_its_own_protocol_is_not_exact() -> None:
-    # Why the option exists (datasets 5.2): HF's state holds no shuffle buffer, and at
-    # num_workers=0 nothing was prefetched, so no digest could catch it.
-    full = [batch["x"] for batch in _hf_loader(0)]
-    loader = _hf_loader(0)
+    # Why the default turns it off (datasets 5.2): HF's state holds no shuffle buffer,
+    # and at num_workers=0 nothing was prefetched, so no digest could catch it.
+    full = [batch["x"] for batch in _hf_loader(0, state_protocol=True)]
+    loader = _hf_loader(0, state_protocol=True)
     it = iter(loader)
     head = [batch["x"] for batch in take(it, 17)]
     state = through_bytes(loader.state_dict())
     del it
     assert state["next_batches"] == [None]
-    resumed = _hf_loader(0)
+    resumed = _hf_loader(0, state_protocol=True)
     resumed.load_state_dict(state)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HF's own log line about the refilled buffer
         tail = [batch["x"] for batch in resumed]
     got = torch.cat(head + tail).tolist()
     assert got != torch.cat(full).tolist() and len(set(got)) < 400
+
+
+# -- num_workers=0: the main process hosts the stream (torchdata's test suite) -------------
+
+
+class _GlobalRngState(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Its state is torch's global RNG state (torchdata's DummyMapDataset): loading it
+    outside the stream's RNG swap would overwrite the training loop's RNG."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"g": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["g"])
+
+
+def test_inline_calls_into_the_dataset_protocol_with_the_streams_rng_swapped_in() -> None:
+    # No generator: each epoch's shuffle draws from the global RNG, as in torch. A
+    # checkpoint loaded between epochs must leave the loop's RNG where it was.
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(_GlobalRngState(), batch_size=2, shuffle=True)
+
+    torch.manual_seed(0)
+    first = make()
+    got = [torch.cat(list(first)).tolist() for _ in range(2)]
+    state = through_bytes(first.state_dict())
+    resumed = make()
+    loop_rng = torch.get_rng_state()
+    resumed.load_state_dict(state)
+    assert torch.equal(torch.get_rng_state(), loop_rng)
+    got += [torch.cat(list(resumed)).tolist() for _ in range(2)]
+    torch.manual_seed(0)
+    uninterrupted = make()
+    assert got == [torch.cat(list(uninterrupted)).tolist() for _ in range(4)]
+
+
+class _EpochCounting(IterableDataset[tuple[int, int]]):
+    """torchdata's GeneratorIterable: its position and epoch live on the dataset; a
+    loaded position is taken up by the next __iter__, and the epoch counts up at the
+    end of each pass."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i, self.epoch = n, 0, 0
+        self.resume: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        self.i = 0
+        if self.resume is not None:
+            self.i, self.resume = self.resume, None
+        for j in range(self.i, self.n):
+            self.i += 1
+            yield (j, self.epoch)
+        self.i = 0
+        self.epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"i": self.i, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resume, self.epoch = state["i"], state["epoch"]
+
+
+def test_inline_a_stale_position_of_an_abandoned_iterator_does_not_override_the_checkpoint() -> None:
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(_EpochCounting(30), batch_size=None)
+
+    original = make()
+    list(original)
+    state = through_bytes(original.state_dict())
+    want = [list(original), list(original)]
+    assert [x[1] for x in want[0]] == [1] * 30
+    loader = make()
+    abandoned = iter(loader)
+    take(abandoned, 2)
+    loader.load_state_dict(state)
+    got = [list(loader), list(loader)]
+    assert got == want
+
+
+class _StateAfterIter(IterableDataset[int]):
+    """torchdata's CountIterCallsIter: the dataset is its own iterator, and its state
+    exists only once __iter__ has run."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _StateAfterIter:
+        self.curr = 0
+        return self
+
+    def __next__(self) -> int:
+        if self.curr >= self.n:
+            raise StopIteration
+        self.curr += 1
+        return self.curr - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"curr": self.curr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.curr = state["curr"]
+
+
+def test_inline_a_dataset_whose_state_exists_only_after_iter_resumes() -> None:
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(_StateAfterIter(40), batch_size=None)
+
+    loader = make()
+    it = iter(loader)
+    head = take(it, 10)
+    state = through_bytes(loader.state_dict())
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == list(range(40))
+    assert list(resumed) == list(range(40))
+
+
+# -- datasets known to lose data through their own protocol ---------------------------
+
+
+class BufferShuffledExamplesIterable:
+    """Named and placed as Hugging Face's shuffle buffer in an IterableDataset's chain."""
+
+    __module__ = "datasets.iterable_dataset"
+
+    def __init__(self, inner: Any, buffer_size: int) -> None:
+        self.ex_iterable = inner
+        self.buffer_size = buffer_size
+
+
+class _FakeHfStream(LossyShuffle):
+    """What snaploader sees of ``datasets.IterableDataset(...).shuffle(buffer_size=8)``:
+    the module and class names and the ``_ex_iterable`` chain (the buffer under a map)
+    of an HF stream, whose protocol (here the iterator's) drops the buffered items."""
+
+    __module__ = "datasets.iterable_dataset"
+
+    def __init__(self, n: int, shuffled: bool = True) -> None:
+        super().__init__(n, size=8)
+        mapped = type("MappedExamplesIterable", (), {})()
+        mapped.ex_iterable = BufferShuffledExamplesIterable(None, 8) if shuffled else None
+        self._ex_iterable = mapped
+
+
+def _fake_hf_loader(num_workers: int, shuffled: bool = True, **kwargs: Any) -> snaploader.DataLoader:
+    return snaploader.DataLoader(
+        _FakeHfStream(120, shuffled), batch_size=4, num_workers=num_workers, generator=generator(0), **kwargs
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_known_to_lose_data_is_resumed_by_replay_by_default_and_says_so(num_workers: int) -> None:
+    with pytest.warns(UserWarning, match=r"shuffled through a buffer of 8 examples .* resumes it exactly by replay"):
+        loader = _fake_hf_loader(num_workers)
+    assert not loader.state_protocol
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = list(_fake_hf_loader(num_workers))
+        head, state = _cut(_fake_hf_loader(num_workers), 11)
+        resumed = _fake_hf_loader(num_workers)
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"(?s)replays .* instead of through its own state_dict\(\), because .*buffer"):
+        tail = list(resumed)
+    assert_same_stream(head + tail, full, "a lossy protocol, replayed by default")
+
+
+def test_the_detection_is_only_for_what_is_known_and_can_be_overridden() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no announcement for any of these
+        assert _fake_hf_loader(0, shuffled=False).state_protocol  # no shuffle buffer
+        assert _loader(0).state_protocol  # the same protocol, not known to be lossy
+        explicit = _fake_hf_loader(0, state_protocol=True)
+        assert explicit.state_protocol
+        assert not _fake_hf_loader(0, state_protocol=False).state_protocol
+    full = list(_fake_hf_loader(0, state_protocol=True))
+    head, state = _cut(_fake_hf_loader(0, state_protocol=True), 11)
+    resumed = _fake_hf_loader(0, state_protocol=True)
+    resumed.load_state_dict(state)
+    assert torch.cat(head + list(resumed)).tolist() != torch.cat(full).tolist()  # lossy, as asked
+
+
+class _RefusingState(IterableDataset[torch.Tensor]):
+    """A dataset-level protocol whose state cannot be loaded back (another worker
+    count's, another version's)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in shard(self.n, None):
+            yield torch.tensor([float(i)])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shards": [0]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise IndexError("list index out of range")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_restore_error_in_the_datasets_own_load_state_dict_names_it_and_the_fix(num_workers: int) -> None:
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(_RefusingState(120), batch_size=4, num_workers=num_workers, generator=generator(0))
+
+    _, state = _cut(make(), 5)
+    resumed = make()
+    resumed.load_state_dict(state)
+    with pytest.raises(IndexError) as excinfo:
+        list(resumed)
+    note = "\n".join(excinfo.value.__notes__)
+    assert "while its load_state_dict() restored _RefusingState's own state" in note
+    assert "state_protocol=False" in note
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_hf_shuffle_buffer_resumes_exactly_by_default(num_workers: int) -> None:
+    with pytest.warns(UserWarning, match="Hugging Face datasets"):
+        _hf_loader(num_workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full, resumed = _hf_cut_and_resumed(num_workers)
+    assert_same_stream(resumed, full, "HF shuffle, resumed with the defaults")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_hf_shuffle_buffer_through_its_own_protocol_at_two_workers_names_the_cause() -> None:
+    loader = _hf_loader(2, state_protocol=True)
+    it = iter(loader)
+    take(it, 17)
+    state = through_bytes(loader.state_dict())
+    del it
+    resumed = _hf_loader(2, state_protocol=True)
+    resumed.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Exception) as excinfo:
+            list(resumed)
+    note = "\n".join(getattr(excinfo.value, "__notes__", []))
+    assert "own load_state_dict() restored IterableDataset's own state" in note
+    assert "state_protocol=False" in note
+

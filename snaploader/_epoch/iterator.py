@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import contextlib
+import pickle
 import warnings
 import weakref
 from typing import Any, Final
@@ -54,7 +55,7 @@ from .dispatch import MapDispatch, by_position, pick, round_robin
 from .plan import IndexPlan, epoch_aware_part
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
-from .._rng.capture import RngSource
+from .._rng.capture import NativeRng, RngSource
 from .._workers.runner import Runner, RunnerClosed
 from .._workers.selfcheck import check_restored_batch
 from .settings import LoaderSettings
@@ -121,6 +122,8 @@ class SnapIterator:
             if expected is not None:
                 expected = [None if a is not b else e for a, b, e in zip(workers, shifted, expected)]
             workers, yielded, skip = shifted, yielded + skip, 0
+        if start.dataset_state is not None:
+            _load_carried_state(settings.dataset, start.dataset_state)
         replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
         with replaying:
             base_seed = start.base_seed
@@ -171,11 +174,13 @@ class SnapIterator:
         # Persistent workers too are put at their epoch-start state explicitly, so a
         # worker respawned last epoch cannot drift from the ledger.
         runner.begin_epoch(self.progress)
+        for slot, ledger in enumerate(self.progress.workers):
+            runner.send(slot, resume_after(ledger))
+        # Taken as the dataset stands once the epoch has begun (after iter(dataset):
+        # some datasets have a state only then), never loaded back into it.
         first = self.progress.workers[0]
         if first.epoch_start is None and first.yielded is None and (own := runner.own_epoch_start()):
             self.progress.set_epoch_start(own)
-        for slot, ledger in enumerate(self.progress.workers):
-            runner.send(slot, resume_after(ledger))
 
     def _warn_or_refuse_replay(self) -> None:
         # Once per restore: only a restored epoch start has workers mid-epoch. A refusal
@@ -189,6 +194,7 @@ class SnapIterator:
             replays,
             refused=mode == "refuse",
             state_protocol=self.settings.options.state_protocol,
+            lossy=self.settings.lossy_protocol,
         )
         if mode == "refuse":
             raise ReplayRefusedError(message)
@@ -416,3 +422,15 @@ class SnapIterator:
             self.close()
         except Exception:
             pass
+
+
+def _load_carried_state(dataset: Any, state: Any) -> None:
+    """Load a checkpoint's carried dataset state (EpochStart.dataset_state) into the
+    dataset, with every global RNG state kept: the original run never made this call,
+    so whatever it draws or sets must change neither the training loop's RNGs nor the
+    data stream's (seeded afresh for the epoch after it)."""
+    kept = NativeRng.take()
+    try:
+        dataset.load_state_dict(pickle.loads(pickle.dumps(state, pickle.HIGHEST_PROTOCOL)))
+    finally:
+        kept.put()

@@ -37,6 +37,7 @@ class LoaderSettings:
     worker_init_fn: Any
     options: Options  # snaploader's own options, as the loader checked them
     rng_census: RngCensus | None = None
+    lossy_protocol: str | None = None  # why state_protocol was turned off for this dataset
     in_order: bool = True  # False: yield each worker's batches as they come (_epoch/dispatch.py)
 
     @property

@@ -33,7 +33,10 @@ DISTRIBUTED_FIELDS: Final = {"num_replicas": int, "rank": int, "shuffle": bool, 
 
 # Recorded, never a mismatch: the processes do not define the stream, the logical
 # workers do, and a checkpoint resumes exactly with any num_workers (docs/elastic.md).
-_ANY_VALUE: Final = frozenset({"num_workers"})
+# Nor does persistent_workers define the rest of an interrupted epoch (its ledger does:
+# the epoch start and base seed persistent workers carried into it are in the
+# checkpoint); the epochs after it follow the loading loader's setting.
+_ANY_VALUE: Final = frozenset({"num_workers", "persistent_workers"})
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,10 @@ class EpochStart:
     skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
     logical: int | None = None  # the epoch's logical worker count (None: the loader's)
     in_order: bool = True  # False: a restored epoch yielded out of the fixed order
+    # A checkpoint taken at num_workers=0 between epochs: the dataset's own state at the
+    # end of the last one, loaded into the dataset at this epoch's start (it carries
+    # over at num_workers=0, as in torch). None: nothing to load.
+    dataset_state: Any = None
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:
@@ -302,11 +306,13 @@ class EpochStart:
 
 
 def replay_message(
-    dataset: Any, replays: list[int], *, refused: bool, state_protocol: bool = True
+    dataset: Any, replays: list[int], *, refused: bool, state_protocol: bool = True,
+    lossy: str | None = None,
 ) -> str:
     """Why a resume of ``dataset`` replays ``replays[w]`` batches in worker ``w``, and
     how to avoid it; for the warning (``refused=False``) or ReplayRefusedError.
-    ``state_protocol``: the loader's option of that name."""
+    ``state_protocol``: the loader's option of that name; ``lossy``: why the loader
+    turned the dataset's own protocol off by itself (``lossy_state_protocol``)."""
     name = type(dataset).__qualname__
     per_worker = ", ".join(f"worker {w}: {n}" for w, n in enumerate(replays))
     if state_protocol:
@@ -318,6 +324,13 @@ def replay_message(
             "implement state_dict()/load_state_dict() returning plain data on the "
             "iterator or the dataset to resume without reading skipped data "
             "(docs/iterable.md)"
+        )
+    elif lossy is not None:
+        why = f"instead of through its own state_dict(), because {lossy}"
+        fix = (
+            "give the dataset a state_dict() that saves everything it needs, or build the "
+            "loader with state_protocol=True to resume through the dataset's own state "
+            "anyway (not exact)"
         )
     else:
         why = "because the loader was built with state_protocol=False"

@@ -68,3 +68,39 @@ def has_state_protocol(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+# How far lossy_state_protocol() walks a dataset's chain of wrapped iterables.
+_LOSSY_WALK_MAX = 64
+
+
+def lossy_state_protocol(dataset: Any) -> str | None:
+    """Why ``dataset``'s own state protocol is known to lose data on resume, or None.
+
+    Known: a Hugging Face ``datasets.IterableDataset`` with ``shuffle(buffer_size=...)``
+    anywhere in its chain (its state holds the source position, not the buffer: a load
+    refills the buffer, and the examples that were in it are lost; with several
+    workers the load can fail outright). Recognised by class and attribute names, so
+    ``datasets`` is never imported here.
+    """
+    if not type(dataset).__module__.startswith("datasets."):
+        return None
+    stack = [getattr(dataset, "_ex_iterable", None)]
+    for _ in range(_LOSSY_WALK_MAX):
+        if not stack:
+            break
+        node = stack.pop()
+        if node is None:
+            continue
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            size = getattr(node, "buffer_size", "?")
+            return (
+                f"{type(dataset).__qualname__} (Hugging Face datasets) is shuffled through a "
+                f"buffer of {size} examples (shuffle(buffer_size=...)), and its state_dict() "
+                "holds the source position but not the buffer: a resume through it loses the "
+                "buffered examples"
+            )
+        stack.append(getattr(node, "ex_iterable", None))
+        stack.extend(list(getattr(node, "ex_iterables", None) or ()))
+    return None
+

@@ -43,13 +43,6 @@ _CALLED_EXIT: Final = (
     "a library that gave up"
 )
 
-_NEVER_STARTED: Final = (
-    "it died before sending anything, which usually means it failed to start: its "
-    "stderr above says why; under spawn or forkserver the main module must be "
-    "importable and guard its code with if __name__ == '__main__'"
-)
-
-
 # Python's own words for the missing guard (multiprocessing's bootstrapping error),
 # which torch's users know from its DataLoader under spawn.
 NO_MAIN_GUARD: Final = (
@@ -61,14 +54,12 @@ NO_MAIN_GUARD: Final = (
 )
 
 
-def likely_cause(exitcode: int | None, messages: int) -> str:
-    """The usual reason a worker ends with ``exitcode`` after sending ``messages``
-    results, as " (...)" to append to a message, or "" when there is none to give."""
+def likely_cause(exitcode: int | None) -> str:
+    """The usual reason a worker ends with ``exitcode``, as " (...)" to append to a
+    message, or "" when there is none to give. (A worker that exits before it could
+    start is told apart by its fetch mark: ``_workers/process_runner.py``.)"""
     how = describe_exit(exitcode)
     cause = _LIKELY_CAUSE.get(how.rsplit(" ", 1)[-1], "")
-    code = exitcode or 0
-    if not cause and code >= 0:
+    if not cause and (exitcode or 0) >= 0:
         cause = _CALLED_EXIT
-        if messages == 0 and code > 0:
-            cause = f"{cause}; or {_NEVER_STARTED}"
     return f" ({cause})" if cause else ""

@@ -70,6 +70,7 @@ class InlineRunner(Runner):
         # Per slot, its RNG states while swapped out.
         self.rng: list[NativeRng | None] = [None] * slots
         self.warned_threads = False
+        self.epoch_start: Snapshot | None = None  # own_epoch_start(), taken by _position()
         # The generator objects the slot's code holds are swapped the same way: the
         # dataset is the user's object here, and between calls its generators are left
         # as a worker process would leave the main process's copy: untouched. So every
@@ -138,22 +139,37 @@ class InlineRunner(Runner):
         )
 
     def own_epoch_start(self) -> Snapshot | None:
-        runtime = self.runtimes[0]
-        dataset = runtime.dataset
-        if not runtime.main_contract or not runtime.setup.options.state_protocol or not has_state_protocol(dataset):
-            return None
-        if runtime.seed_rng is None:
-            raise RuntimeError("the main-process slot was never initialized")
-        # the slot's generator objects swapped in, to take their epoch-start states
-        data, (objects, _) = self._call(0, lambda: (dataset.state_dict(), runtime.objects.snapshot()))
-        check_plain(data, f"{type(dataset).__qualname__}.state_dict()")
-        # the fresh seed state: resume() restores it, then calls iter(dataset), as now
-        return Snapshot(runtime.seed_rng, 0, runtime._copied(data), "dataset", True, objects=objects)
+        return self.epoch_start
 
     def _transmit(self, slot: int, msg: Resume | Task) -> None:
         if isinstance(msg, Resume):
             runtime = self.runtimes[slot]
-            self._call(slot, lambda: runtime.resume(msg))
+            self._call(slot, lambda: self._position(runtime, msg))
+
+    def _position(self, runtime: WorkerRuntime, msg: Resume) -> None:
+        """``runtime.resume(msg)``; and under the main-process contract, at an epoch
+        that starts afresh, the dataset's epoch-start state for the checkpoint.
+
+        The dataset object itself is iterated there and holds its own state across
+        epochs, as in torch: its load_state_dict() is called only when a checkpoint
+        asks for it (a Resume with a base), never with the state it already holds. Its
+        state_dict() is taken after iter(dataset), where every dataset has one."""
+        fresh = (
+            runtime.main_contract and msg.base is None and runtime.setup.options.state_protocol
+            and has_state_protocol(runtime.dataset)
+        )
+        objects = runtime.objects.snapshot()[0] if fresh else None  # before iter() draws
+        runtime.resume(msg)
+        self.epoch_start = None
+        if not fresh:
+            return
+        if runtime.seed_rng is None:
+            raise RuntimeError("the main-process slot was never initialized")
+        dataset = runtime.dataset
+        data = dataset.state_dict()
+        check_plain(data, f"{type(dataset).__qualname__}.state_dict()")
+        # With the fresh seed state: resume() restores it, loads this, calls iter(dataset).
+        self.epoch_start = Snapshot(runtime.seed_rng, 0, runtime._copied(data), "dataset", True, objects=objects)
 
     def next_result(self, slot: int) -> tuple[Task, Result]:
         self.wait_any(slot)

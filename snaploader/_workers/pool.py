@@ -235,7 +235,6 @@ class WorkerProcess:
     process: multiprocessing.process.BaseProcess
     task: Connection  # main's sending end
     result: Connection  # main's receiving end
-    messages: int = 0  # messages the main process has read from it
 
     @property
     def pid(self) -> int:

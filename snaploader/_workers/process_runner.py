@@ -276,7 +276,6 @@ class ProcessRunner(Runner):
                 if not whole and self.held_fds >= self.fd_budget and (slot != waiting or self.slots[slot].received):
                     break
                 blob = worker.result.recv_bytes()
-                worker.messages += 1
                 if slot < 0:
                     raise RuntimeError(
                         f"worker process {worker.index} sent a result no task asked for; "
@@ -333,7 +332,7 @@ class ProcessRunner(Runner):
         self.pool.discard(process)
         exitcode = worker.process.exitcode
         how = describe_exit(exitcode)
-        cause = likely_cause(exitcode, worker.messages)
+        cause = likely_cause(exitcode)
         # It answers in order: it answered the first ``lost`` outstanding tasks (the
         # answers were lost) and died on a later one, or idle. Its mark names the task
         # it was fetching (it may be past the first unanswered one when answers sent

@@ -127,7 +127,8 @@ class Runner(ABC):
     def own_epoch_start(self) -> Snapshot | None:
         """Under the main-process contract, the epoch-start state of a dataset that has
         the state protocol and is iterated itself (its state then carries across
-        epochs, as in torch, so a checkpoint must hold it); None otherwise."""
+        epochs, as in torch, so a checkpoint must hold it), as taken when the epoch's
+        Resume was sent; None otherwise."""
         return None
 
     def poll(self) -> None:

@@ -69,6 +69,9 @@ class WorkerRuntime:
         self.exhausted = False
         self.produced = 0
         self.checked_plain = False
+        # The dataset's (or its iterator's) own load_state_dict() positioned it, and no
+        # batch came since: an error of the next fetch names that state as the cause.
+        self.own_state_loaded = False
         self.seed_rng: bytes | None = None  # RNG states right after seeding
         self.objects = ObjectRngs([], [])  # generator objects the worker's code holds
         self.objects_now: tuple[bytes | None, RngReport | None] = (None, None)  # as of the last snapshot
@@ -135,6 +138,7 @@ class WorkerRuntime:
         base = msg.base
         self.ended = self.exhausted = False
         self.checked_plain = False
+        self.own_state_loaded = False
         self.iterator = None
         self._discover()
         # iter(dataset) may draw from the global RNGs (a shuffle seed, say). Mid-epoch,
@@ -147,16 +151,27 @@ class WorkerRuntime:
                 # the last epoch's iterator, and the generators it held, are gone
                 self._restore_objects(base.objects, skip_iterator=True)
             if base.data_owner == "dataset" and base.complete:
-                self.dataset.load_state_dict(self._copied(base.data))
+                self.own_state_loaded = True
+                try:
+                    self.dataset.load_state_dict(self._copied(base.data))
+                except Exception as exc:
+                    self.pending_error = WorkerError.capture(_blame_own_state(exc, self.dataset, "while its load_state_dict() restored"))
         self.produced = msg.base_produced
         if self.setup.iterable:
+            iterator_state = mid_epoch is not None and mid_epoch.data_owner == "iterator" and mid_epoch.complete
             try:
                 self.iterator = iter(self.dataset)
-                if mid_epoch is not None and mid_epoch.data_owner == "iterator" and mid_epoch.complete:
-                    self.iterator.load_state_dict(self._copied(mid_epoch.data))  # type: ignore[union-attr]
             except Exception as exc:
-                self.pending_error = WorkerError.capture(exc)
+                self.pending_error = self.pending_error or WorkerError.capture(exc)
                 self.iterator = iter(())
+            if iterator_state and mid_epoch is not None:
+                self.own_state_loaded = True
+                try:
+                    self.iterator.load_state_dict(self._copied(mid_epoch.data))  # type: ignore[union-attr]
+                except Exception as exc:
+                    how = "while its iterator's load_state_dict() restored"
+                    self.pending_error = self.pending_error or WorkerError.capture(_blame_own_state(exc, self.dataset, how))
+                    self.iterator = iter(())
             self._discover()
         if mid_epoch is not None:
             self._restore_rng(mid_epoch.rng)
@@ -213,7 +228,10 @@ class WorkerRuntime:
                     return Result(task.key, Kind.EXHAUSTED, None, self.snapshot())
                 kind, payload = Kind.ERROR, WorkerError.capture(exc)
             except Exception as exc:
+                if self.own_state_loaded:
+                    _blame_own_state(exc, self.dataset, "in the first batch after its own load_state_dict() restored")
                 kind, payload = Kind.ERROR, WorkerError.capture(exc)
+            self.own_state_loaded = False
         self.produced += 1
         try:
             snapshot = self.snapshot()
@@ -299,3 +317,18 @@ class WorkerRuntime:
         # Plain data: a pickle round trip copies it several times faster than
         # deepcopy (1 ms against 6.6 ms for a 10,000-int shuffle buffer).
         return pickle.loads(pickle.dumps(data, pickle.HIGHEST_PROTOCOL))
+
+
+def _blame_own_state(exc: BaseException, dataset: Any, how: str) -> BaseException:
+    """``exc``, with a note naming the dataset's own state protocol as the likely cause
+    of a failed restore, and the option that resumes without it."""
+    name = type(dataset).__qualname__
+    exc.add_note(
+        f"Raised {how} {name}'s own state from a snapshot (a checkpoint's, or the last "
+        f"epoch's end with persistent workers): that state is the likely "
+        f"cause ({name}'s state_dict() may not save everything its load_state_dict() needs, "
+        "a shuffle buffer for one, or may be another worker count's). Build the loader with "
+        "state_protocol=False to resume it exactly by replay from the epoch start instead"
+    )
+    return exc
+
