@@ -56,6 +56,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .._dcp import state_from_json
 from .._errors import CheckpointFormatError
 from .._loader import DataLoader
+from .._view import LoaderView
 
 # snaploader's keyword-only options (and torch's) that the sharded copy carries over;
 # snapshot_every_n_steps is an alias of snapshot_every, which carries its value.
@@ -248,7 +249,7 @@ def _sharded(accelerator: Accelerator, loader: DataLoader) -> DataLoader:
             "its part; prepare() would shard that part again. Build the loader as for one "
             "process (shuffle=True or your own sampler) and let prepare() shard it"
         )
-    if loader._progress is not None or loader._pending_state is not None:
+    if LoaderView.of(loader).used:
         raise ValueError(
             "prepare() was given a loader that was already iterated or loaded from a state; "
             "with several processes it builds a new, sharded loader from the arguments, "
