@@ -113,11 +113,12 @@ class PreparedLoader:
     def load_state_dict(self, state: dict[str, Any], **options: Any) -> None:
         self.loader.load_state_dict(state, **options)
 
-    def save_to(self, folder: str | os.PathLike[str]) -> Path:
-        """Write this process's loader state into the checkpoint ``folder``; its path."""
+    def save_to(self, folder: str | os.PathLike[str], state: dict[str, Any] | None = None) -> Path:
+        """Write this process's loader state (or ``state``, one the loader made, such as
+        a ``LoaderView``'s) into the checkpoint ``folder``; its path."""
         path = self.place.file(folder)
         partial = path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(self.loader.state_dict()))
+        partial.write_text(json.dumps(self.loader.state_dict() if state is None else state))
         # A process killed while writing leaves the previous file (or none), never half of one.
         os.replace(partial, path)
         return path
