@@ -81,6 +81,18 @@ class ExactResume(Callback):
                 stacklevel=2,
             )
 
+        if len(loaders) == 1 and isinstance(loaders[0], DataLoader) and not _no_length(loaders[0]):
+            if trainer.num_training_batches < len(loaders[0]):
+                warnings.warn(
+                    f"Lightning ends each epoch after {trainer.num_training_batches} of the "
+                    f"loader's {len(loaders[0])} batches (limit_train_batches), and a snaploader "
+                    "checkpoint of a map-style epoch cannot hold an epoch ended early: a resume "
+                    "from an epoch's last step goes on with that epoch's rest, not exactly as "
+                    "the uninterrupted run (docs/lightning.md, Limits)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
     @staticmethod
     def _loaders(trainer: pl.Trainer) -> list[Any]:
         iterables = trainer.train_dataloader
@@ -116,7 +128,10 @@ def _consumed_state(view: LoaderView, batches_per_epoch: int | float) -> dict[st
     if consumed >= batches_per_epoch and view.live:
         # Lightning resumes this checkpoint with the next epoch (and would call iter()
         # on the loader without reading it to its end): so must the loader.
-        return view.state_ending_epoch()
+        if _no_length(view.loader) or len(view.loader) == consumed:
+            return view.state_ending_epoch()
+        # limit_train_batches below a map-style loader's length: its format has no
+        # epoch ended early, and on_train_start has warned that the resume is not exact.
     return view.state_as_of(consumed)
 
 

@@ -136,7 +136,7 @@ class _LoaderCheckpoints(TrainerCallback):
         loader = self.trainer._snap_loader
         if loader is None:
             return
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         view = LoaderView.of(loader.loader)
         at_end = view.live and _length(loader) == view.yielded
         # The Trainer resumes a checkpoint of an epoch's last step with the next epoch.
