@@ -4,8 +4,10 @@ Accelerate, the Hugging Face Trainer), which checkpoint around a training loop t
 does not consume batches exactly as the loader yields them.
 
 ``LoaderView.of(loader)`` reads the loader's published position once; everything the
-view answers is about that one moment, whatever the loader's iterator does meanwhile.
-It is the only way code outside ``_loader.py`` reads the loader's progress.
+view answers is about that one moment, whatever the loader's iterator does meanwhile
+(except the generator's state for the next epoch, which a state of an ended epoch
+reads when it is built: build it before the next ``iter()``). It is the only way code
+outside ``_loader.py`` reads the loader's progress.
 
 Why "one batch back": a framework that fetches batch k+1 before step k runs
 (Lightning's fetcher does when the loader has no length, to know which batch is the

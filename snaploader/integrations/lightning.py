@@ -109,7 +109,7 @@ class ExactResume(Callback):
             return
         # One stateful loader, so Lightning stored one state: the loader's own.
         states[0] = _consumed_state(LoaderView.of(loaders[0]), trainer.num_training_batches)
-        checkpoint[_KEY] = every_rank(states[0])
+        checkpoint[_KEY] = _every_rank(states[0])
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -118,7 +118,7 @@ class ExactResume(Callback):
         saved = checkpoint.get(_KEY)
         if states and saved is not None:
             # Lightning loads ``states`` into the loader after this hook (restore_loops).
-            states[0] = this_rank(saved, "the Lightning checkpoint")
+            states[0] = _this_rank(saved, "the Lightning checkpoint")
 
 
 def _consumed_state(view: LoaderView, batches_per_epoch: int | float) -> dict[str, Any]:
@@ -154,7 +154,7 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def every_rank(state: Any) -> dict[str, Any]:
+def _every_rank(state: Any) -> dict[str, Any]:
     """``{"world_size": N, "states": [rank 0's state, ...]}``: ``state`` of every rank,
     gathered to each (a collective call under ``torch.distributed``: every rank makes
     it at the same point, as Lightning and Fabric write checkpoints)."""
@@ -166,8 +166,8 @@ def every_rank(state: Any) -> dict[str, Any]:
     return {"world_size": world, "states": states}
 
 
-def this_rank(saved: Any, where: str) -> Any:
-    """This rank's entry of what :func:`every_rank` gathered; a clear error when the
+def _this_rank(saved: Any, where: str) -> Any:
+    """This rank's entry of what :func:`_every_rank` gathered; a clear error when the
     world size differs or the entry is not what it wrote."""
     rank, world = _rank_and_world()
     if not isinstance(saved, dict) or not isinstance(saved.get("states"), list) or saved.get("world_size") != len(saved["states"]):
@@ -211,10 +211,10 @@ class FabricState:
         if self.wrapper is not None:
             # A live epoch is continued by the next iter(), which counts it again.
             started = self.wrapper._num_iter_calls - (1 if view.live else 0)
-        return every_rank({"loader": view.state_dict(), "epochs_started": started})
+        return _every_rank({"loader": view.state_dict(), "epochs_started": started})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        mine = this_rank(state_dict, "the Fabric checkpoint")
+        mine = _this_rank(state_dict, "the Fabric checkpoint")
         self.loader.load_state_dict(mine["loader"])
         if self.wrapper is not None and mine["epochs_started"] is not None:
             self.wrapper._num_iter_calls = mine["epochs_started"]
