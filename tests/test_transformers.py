@@ -50,3 +50,35 @@ def test_snap_trainer_resumes_every_process_exactly(tmp_path: Path, world: int) 
                 assert torch.equal(resumed[rank]["weights"][name], weight), f"process {rank}, {phase}: {name} differs"
     if world == 2:
         assert not torch.equal(reference[0]["seen"][0], reference[1]["seen"][0]), "the processes should read different batches"
+
+
+def test_a_resume_that_gradient_accumulation_would_misalign_is_refused(tmp_path: Path) -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers import TrainingArguments
+
+    from snaploader.integrations.transformers import SnapTrainer
+
+    from ._hf_child import Items, Tiny
+
+    def trainer() -> SnapTrainer:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                 use_cpu=True, report_to=[], dataloader_num_workers=0)
+        return SnapTrainer(model=Tiny(), args=args, train_dataset=Items(20))  # 5 batches an epoch
+
+    try:
+        saving = trainer()
+        assert saving.args.ignore_data_skip, "SnapTrainer sets ignore_data_skip: the loader resumes itself"
+        loader = saving.get_train_dataloader()
+        it = iter(loader)
+        next(it), next(it)
+        (tmp_path / "checkpoint-1").mkdir()
+        loader.save_to(tmp_path / "checkpoint-1")
+        resuming = trainer()
+        resuming._snap_resume = str(tmp_path / "checkpoint-1")  # what train(resume_from_checkpoint=path) records
+        with pytest.raises(ValueError, match=r"2 batches into an epoch of 5 batches, with gradient_accumulation_steps=2"):
+            resuming.get_train_dataloader()
+    finally:
+        # Accelerate keeps its state in process-wide singletons: leave none to other tests.
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
