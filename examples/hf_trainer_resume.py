@@ -1,25 +1,21 @@
-"""A Hugging Face ``Trainer`` whose ``get_train_dataloader`` returns a snaploader loader
-resumes the batch stream exactly with ``train(resume_from_checkpoint=True)``
-(docs/accelerate.md, "Hugging Face Trainer").
+"""A Hugging Face ``Trainer`` script made to resume its batch stream exactly, by changing
+two lines: the import of ``SnapTrainer`` and ``Trainer(`` -> ``SnapTrainer(``
+(docs/transformers.md). ``train(resume_from_checkpoint=True)`` then goes on with the
+batch after the checkpoint's, with the augmentations the uninterrupted run drew.
 
-Not in CI: ``transformers`` is heavy for it. Run it where transformers is installed::
+Run it where transformers is installed (``pip install "snaploader[integrations]"``)::
 
     python examples/hf_trainer_resume.py
 
 It trains a tiny model for two epochs on a dataset that augments in its workers
-(``torch.rand`` in ``__getitem__``, ``num_workers=2``) three ways, each in a fresh
-process: uninterrupted; saving a checkpoint every 4 steps and SIGKILLed right after
-the checkpoint of step 4 (mid epoch 0), or of step 16 (mid epoch 1); resumed from that
-checkpoint. It checks with ``torch.equal`` that the batches the training step received
-across the killed run (up to its checkpoint) and the resumed run are those of the
-uninterrupted run, prints one line per case and exits with status 1 on a difference.
-
-The recipe, as below: the loader goes through ``snaploader.integrations.accelerate
-.prepare(trainer.accelerator, loader)``; a callback writes its state into each
-checkpoint folder (``on_save``) and reads it back when training resumes
-(``on_train_begin``); and ``TrainingArguments(ignore_data_skip=True)``, since the
-loader resumes itself (without it, the Trainer would skip the first batches again by
-rebuilding the loader as torch's).
+(``torch.rand`` in ``__getitem__``, ``dataloader_num_workers=2``) three ways, each in a
+fresh process: uninterrupted; saving a checkpoint every 4 steps and SIGKILLed right
+after the checkpoint of step 4 (mid epoch 0), or of step 16 (mid epoch 1); resumed
+from that checkpoint. It checks with ``torch.equal`` that the batches the training step
+received across the killed run (up to its checkpoint) and the resumed run are those of
+the uninterrupted run, prints one line per case and exits with status 1 on a
+difference. ``tests/test_transformers.py`` runs the same recipe on one process and on
+two (torchrun-style, gloo), final weights included.
 """
 
 from __future__ import annotations
@@ -35,10 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
-import snaploader
-from snaploader.integrations.accelerate import PreparedLoader, prepare
+from snaploader.integrations.transformers import SnapTrainer  # changed line 1 of 2
 
 STEPS_PER_EPOCH = 12  # 48 samples in batches of 4
 SAVE_EVERY = 4
@@ -61,39 +56,12 @@ class Tiny(nn.Module):
         return {"loss": self.linear(x).pow(2).mean()}
 
 
-class SnaploaderCheckpoints(TrainerCallback):
-    """Each process writes its loader's state into every checkpoint folder the Trainer
-    makes, and reads it back when a run resumes from one."""
+class Recording(SnapTrainer):
+    """The example's own: keeps what the training step received, to compare runs."""
 
-    def __init__(self, trainer: SnapTrainer) -> None:
-        self.trainer = trainer
-
-    def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.train_loader().save_to(Path(args.output_dir) / f"checkpoint-{state.global_step}")
-
-    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        # The Trainer has loaded trainer_state.json of the checkpoint it resumes from.
-        if state.global_step > 0:
-            self.trainer.train_loader().load_from(Path(args.output_dir) / f"checkpoint-{state.global_step}")
-
-
-class SnapTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._loader: PreparedLoader | None = None
         self.consumed: list[torch.Tensor] = []
-        self.add_callback(SnaploaderCheckpoints(self))
-
-    def train_loader(self) -> PreparedLoader:
-        if self._loader is None:
-            loader: snaploader.DataLoader[dict[str, torch.Tensor]] = snaploader.DataLoader(
-                Augmented(), batch_size=4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(0)
-            )
-            self._loader = prepare(self.accelerator, loader)
-        return self._loader
-
-    def get_train_dataloader(self) -> Any:
-        return self.train_loader()
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         self.consumed.append(inputs["x"].detach().clone())
@@ -104,7 +72,7 @@ class KillAfterCheckpoint(TrainerCallback):
     """The crash: once the checkpoint of step ``step`` is on disk, record what was
     consumed and SIGKILL this process."""
 
-    def __init__(self, trainer: SnapTrainer, step: int, out: Path) -> None:
+    def __init__(self, trainer: Recording, step: int, out: Path) -> None:
         self.trainer, self.step, self.out = trainer, step, out
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
@@ -119,17 +87,19 @@ def _run(phase: str, folder: Path, kill_at: int) -> None:
         num_train_epochs=2,
         save_strategy="no" if phase == "reference" else "steps",
         save_steps=SAVE_EVERY,
-        ignore_data_skip=True,  # the loader resumes itself
+        per_device_train_batch_size=4,
+        dataloader_num_workers=2,
         use_cpu=True,
         report_to=[],
         logging_strategy="no",
         disable_tqdm=True,
     )
     torch.manual_seed(0)
-    trainer = SnapTrainer(model=Tiny(), args=args)
+    # changed line 2 of 2: SnapTrainer( in place of Trainer( (Recording adds the record)
+    trainer = Recording(model=Tiny(), args=args, train_dataset=Augmented())
     out = folder / f"{phase}.pt"
     if phase == "killed":
-        # after the SnaploaderCheckpoints callback added in __init__, so the loader's state is saved first
+        # after SnapTrainer's own callback (added in __init__), so the loader's state is saved first
         trainer.add_callback(KillAfterCheckpoint(trainer, kill_at, out))
     trainer.train(resume_from_checkpoint=True if phase == "resumed" else None)
     torch.save(trainer.consumed, out)

@@ -13,7 +13,7 @@ import torch
 import torch.utils.data as torch_data
 
 from ._format.codec import build_state, copy_state, read_state
-from ._format.fingerprint import Fingerprint, fingerprint_of
+from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
 from ._format.schema import LoaderFacts
 from ._errors import ReplayRefusedError, user_stacklevel
 from ._epoch.iterator import SnapIterator
@@ -384,9 +384,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         ``replay="refuse"`` and resuming needs a replay from the epoch start.
         """
         facts = self._facts()
-        restore = read_state(
-            state, self._fingerprint(), frozenset(allow_mismatch), facts, self.persistent_workers
-        )
+        mine = self._fingerprint()
+        allowed = frozenset(allow_mismatch) | lightning_rank0_state(state, mine)
+        restore = read_state(state, mine, allowed, facts, self.persistent_workers)
         if not restore.start.in_order and (skip or skip_to is not None):
             raise ValueError(
                 f"skip={skip}, skip_to={skip_to}: a skip counts batches in the fixed order, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -68,3 +69,25 @@ def wait_all(children: list[subprocess.Popen[str]], timeout_s: float) -> list[st
                 other.communicate()
             raise
     return logs
+
+
+def run_ranks(args: list[str], world: int, timeout_s: float) -> list[tuple[int, str]]:
+    """``python -m <args>`` as ``world`` fresh processes of one job (with ``world`` > 1,
+    ranks of a gloo group on loopback: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``/``MASTER_PORT`` set as torchrun sets them); each one's exit status
+    and output."""
+    root = Path(__file__).resolve().parents[1]
+    base = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        base.pop(name, None)
+    port = free_port()
+    children = []
+    for rank in range(world):
+        env = dict(base)
+        if world > 1:
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        children.append(subprocess.Popen([sys.executable, "-m", *args], cwd=root, env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = wait_all(children, timeout_s)
+    return [(child.returncode, log) for child, log in zip(children, logs)]

@@ -5,10 +5,7 @@ fresh processes, after a SIGKILL (docs/accelerate.md). Real ``accelerate``."""
 from __future__ import annotations
 
 import inspect
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,14 +14,13 @@ import torch
 
 import snaploader
 
-from ._support import assert_same_stream, free_port, wait_all
+from ._support import assert_same_stream, run_ranks
 
 pytest.importorskip("accelerate", reason="the Accelerate integration tests need accelerate (pip install 'snaploader[integrations]')")
 
 from accelerate import Accelerator  # noqa: E402
 from snaploader.integrations import accelerate as snap_accelerate
 
-_ROOT = Path(__file__).resolve().parents[1]
 _CHILD_TIMEOUT_S = 120
 _EPOCHS = 2
 _CUTS = {0: 2, 1: 3}  # as in tests/_accelerate_child.py
@@ -32,24 +28,10 @@ _CUTS = {0: 2, 1: 3}  # as in tests/_accelerate_child.py
 
 def _run(phase: str, folder: Path, world: int) -> list[list[list[torch.Tensor]]]:
     """Run ``phase`` on ``world`` fresh processes; each one's consumed batches by epoch."""
-    port = free_port()
-    base = dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        base.pop(name, None)
-    children = []
-    for rank in range(world):
-        env = dict(base)
-        if world > 1:
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        children.append(subprocess.Popen(
-            [sys.executable, "-m", "tests._accelerate_child", phase, str(folder)],
-            cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    logs = wait_all(children, _CHILD_TIMEOUT_S)
+    results = run_ranks(["tests._accelerate_child", phase, str(folder)], world, _CHILD_TIMEOUT_S)
     expected = -signal.SIGKILL if phase == "save" else 0
-    for rank, (child, log) in enumerate(zip(children, logs)):
-        assert child.returncode == expected, f"process {rank} of the {phase} run exited with {child.returncode}:\n{log[-4000:]}"
+    for rank, (code, log) in enumerate(results):
+        assert code == expected, f"process {rank} of the {phase} run exited with {code}:\n{log[-4000:]}"
     return [torch.load(folder / f"{phase}{rank}.pt", weights_only=True) for rank in range(world)]
 
 

@@ -39,6 +39,7 @@ class _Recorder(pl.LightningModule):
 
     def __init__(self, stop_after: int | None) -> None:
         super().__init__()
+        torch.manual_seed(0)  # the same initial weights in every run
         self.layer = torch.nn.Linear(1, 1)
         self.seen: dict[int, torch.Tensor] = {}
         self.stop_after = stop_after
@@ -64,7 +65,8 @@ def _iterable_loader() -> snaploader.DataLoader:
 
 
 def _fit(make_loader: Callable[[], snaploader.DataLoader], ckpt_dir: Path, *, stop_after: int | None = None,
-         ckpt_path: Path | None = None, exact: bool = True, every: int = 3) -> dict[int, torch.Tensor]:
+         ckpt_path: Path | None = None, exact: bool = True, every: int = 3) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """The batches the training step got, by global step, and the final weights."""
     module = _Recorder(stop_after)
     callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1)]
     if exact:
@@ -80,27 +82,27 @@ def _fit(make_loader: Callable[[], snaploader.DataLoader], ckpt_dir: Path, *, st
             trainer.fit(module, train_dataloaders=make_loader(), ckpt_path=ckpt_path)
         except _Interrupted:
             pass
-    seen = module.seen
+    seen, weights = module.seen, module.layer.weight.detach().clone()
     del trainer, module
     gc.collect()  # the loader's workers go with the trainer
-    return seen
+    return seen, weights
 
 
 def _interrupted_and_resumed(make_loader: Callable[[], snaploader.DataLoader], tmp_path: Path, stop_after: int,
-                             exact: bool = True, every: int = 3) -> list[torch.Tensor]:
-    first = _fit(make_loader, tmp_path / "run", stop_after=stop_after, exact=exact, every=every)
+                             exact: bool = True, every: int = 3) -> tuple[list[torch.Tensor], torch.Tensor]:
+    first, _ = _fit(make_loader, tmp_path / "run", stop_after=stop_after, exact=exact, every=every)
     resume_step = stop_after // every * every
     (ckpt,) = (tmp_path / "run").glob(f"*step={resume_step}.ckpt")
-    second = _fit(make_loader, tmp_path / "resumed", ckpt_path=ckpt, exact=exact, every=every)
+    second, weights = _fit(make_loader, tmp_path / "resumed", ckpt_path=ckpt, exact=exact, every=every)
     assert min(second) == resume_step
     merged = {step: batch for step, batch in first.items() if step < resume_step} | second
-    return [merged[step] for step in sorted(merged)]
+    return [merged[step] for step in sorted(merged)], weights
 
 
-def _uninterrupted(make_loader: Callable[[], snaploader.DataLoader], tmp_path: Path) -> list[torch.Tensor]:
-    seen = _fit(make_loader, tmp_path / "whole")
+def _uninterrupted(make_loader: Callable[[], snaploader.DataLoader], tmp_path: Path) -> tuple[list[torch.Tensor], torch.Tensor]:
+    seen, weights = _fit(make_loader, tmp_path / "whole")
     assert len(seen) == 20
-    return [seen[step] for step in sorted(seen)]
+    return [seen[step] for step in sorted(seen)], weights
 
 
 # (stop after step, checkpoint every): resumed from step 6 (mid epoch 0), 12 (mid
@@ -110,20 +112,24 @@ _CUTS = pytest.mark.parametrize("stop_after, every", [(7, 3), (14, 3), (11, 5)],
 
 @_CUTS
 def test_map_style_resumes_exactly(tmp_path: Path, stop_after: int, every: int) -> None:
-    expected = _uninterrupted(_map_loader, tmp_path)
-    assert_same_stream(_interrupted_and_resumed(_map_loader, tmp_path, stop_after, every=every), expected)
+    expected, final = _uninterrupted(_map_loader, tmp_path)
+    got, weights = _interrupted_and_resumed(_map_loader, tmp_path, stop_after, every=every)
+    assert_same_stream(got, expected)
+    assert torch.equal(weights, final)
 
 
 @_CUTS
 def test_iterable_without_length_resumes_exactly(tmp_path: Path, stop_after: int, every: int) -> None:
-    expected = _uninterrupted(_iterable_loader, tmp_path)
-    assert_same_stream(_interrupted_and_resumed(_iterable_loader, tmp_path, stop_after, every=every), expected)
+    expected, final = _uninterrupted(_iterable_loader, tmp_path)
+    got, weights = _interrupted_and_resumed(_iterable_loader, tmp_path, stop_after, every=every)
+    assert_same_stream(got, expected)
+    assert torch.equal(weights, final)
 
 
 def test_without_the_callback_lightning_skips_the_batch_it_read_ahead(tmp_path: Path) -> None:
     # Why ExactResume exists: Lightning's fetcher read batch 7 before the checkpoint
     # after step 6 was written, and the loader state it saved is past it.
-    expected = _uninterrupted(_iterable_loader, tmp_path)
-    got = _interrupted_and_resumed(_iterable_loader, tmp_path, 7, exact=False)
+    expected, _ = _uninterrupted(_iterable_loader, tmp_path)
+    got, _ = _interrupted_and_resumed(_iterable_loader, tmp_path, 7, exact=False)
     assert torch.equal(got[5], expected[5])
     assert torch.equal(got[6], expected[7])

@@ -3,6 +3,8 @@ load that shows both sides of a difference and names the ``allow_mismatch`` key.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -10,7 +12,7 @@ from typing import Any, Final
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from .._errors import CheckpointMismatchError
+from .._errors import CheckpointMismatchError, user_stacklevel
 
 FINGERPRINT_KEYS: Final = (
     "dataset_kind",
@@ -78,6 +80,43 @@ def check_fingerprint(saved: Mapping[str, Any], mine: Fingerprint, allowed: froz
         )
 
 
+
+
+# Lightning's fit loop loads the loader states of a checkpoint from here; under DDP the
+# checkpoint was written by rank 0, so every rank is given rank 0's state.
+_LIGHTNING_LOADERS: Final = frozenset({
+    "lightning.pytorch.utilities.combined_loader",
+    "pytorch_lightning.utilities.combined_loader",
+})
+
+
+def lightning_rank0_state(state: Any, mine: Fingerprint) -> frozenset[str]:
+    """``{"distributed"}`` (the mismatch to allow) when Lightning's fit loop is loading
+    another rank's state into this rank's loader, with a warning that the resume is not
+    exact; nothing otherwise. Lightning without snaploader's ``ExactResume`` callback
+    gives rank 0's loader state to every rank: torch's loader resumes such a run
+    inexactly, and so does this one (this rank's samples from that position on, rank
+    0's worker random states), rather than raising. Called by ``load_state_dict``."""
+    if sys._getframe(2).f_globals.get("__name__") not in _LIGHTNING_LOADERS:
+        return frozenset()
+    saved = state.get("fingerprint") if isinstance(state, dict) else None
+    theirs = saved.get("distributed") if isinstance(saved, dict) else None
+    own = mine.values["distributed"]
+    if not isinstance(theirs, dict) or own is None or theirs.get("rank") == own["rank"]:
+        return frozenset()
+    if {k: v for k, v in theirs.items() if k != "rank"} != {k: v for k, v in own.items() if k != "rank"}:
+        return frozenset()  # another run's sampler: the mismatch error says so
+    warnings.warn(
+        f"rank {own['rank']}'s loader was given rank {theirs['rank']}'s state: Lightning saves "
+        "the loader state of rank 0 only and loads it on every rank. This rank resumes at that "
+        "position with its own samples, but not exactly (its workers start from rank "
+        f"{theirs['rank']}'s random states, so augmentations differ from an uninterrupted run). "
+        "Add snaploader.integrations.lightning.ExactResume() to the Trainer's callbacks, in the "
+        "run that saves and the one that resumes, to resume every rank exactly (docs/lightning.md)",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return frozenset({"distributed"})
 
 
 def fingerprint_of(

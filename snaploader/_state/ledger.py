@@ -169,7 +169,7 @@ class EpochProgress:
     expected_digests: list[tuple[int, str] | None] = field(default_factory=list, repr=False)
     # The newest position with one batch fewer yielded than ``position``: the state of
     # "one batch back", for a consumer that reads one batch ahead (Lightning's fetcher;
-    # _lookback.py).
+    # _view.py).
     previous: Position | None = field(default=None, repr=False)
     # The logical worker count of the epoch (NOTE [ logical workers ] in _workers/process_main.py): 0
     # for the main-process contract of num_workers=0; one ledger per slot, max(1, it).

@@ -57,6 +57,7 @@ from ..distributed.dcp import state_from_json
 from .._errors import CheckpointFormatError
 from .._loader import DataLoader
 from .._state.options import Options
+from .._view import LoaderView
 
 # torch's keyword-only arguments and snaploader's own options (all of them: the fields of
 # Options) that the sharded copy carries over; snapshot_every_n_steps is an alias of
@@ -107,11 +108,12 @@ class PreparedLoader:
     def load_state_dict(self, state: dict[str, Any], **options: Any) -> None:
         self.loader.load_state_dict(state, **options)
 
-    def save_to(self, folder: str | os.PathLike[str]) -> Path:
-        """Write this process's loader state into the checkpoint ``folder``; its path."""
+    def save_to(self, folder: str | os.PathLike[str], state: dict[str, Any] | None = None) -> Path:
+        """Write this process's loader state (or ``state``, one the loader made, such as
+        a ``LoaderView``'s) into the checkpoint ``folder``; its path."""
         path = self.place.file(folder)
         partial = path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(self.loader.state_dict()))
+        partial.write_text(json.dumps(self.loader.state_dict() if state is None else state))
         # A process killed while writing leaves the previous file (or none), never half of one.
         os.replace(partial, path)
         return path
@@ -243,7 +245,7 @@ def _sharded(accelerator: Accelerator, loader: DataLoader) -> DataLoader:
             "its part; prepare() would shard that part again. Build the loader as for one "
             "process (shuffle=True or your own sampler) and let prepare() shard it"
         )
-    if loader._published.progress is not None or loader._published.loaded is not None:
+    if LoaderView.of(loader).used:
         raise ValueError(
             "prepare() was given a loader that was already iterated or loaded from a state; "
             "with several processes it builds a new, sharded loader from the arguments, "
