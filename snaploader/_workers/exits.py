@@ -1,10 +1,15 @@
-"""How a dead worker is described: the exit in words, torch's own wording for it, and
-the usual cause, for the warnings and errors of ``_workers/process_runner.py``."""
+"""How a dead worker is described: the exit in words, torch's own wording for it, the
+usual cause, what the worker was doing, and the messages of the warnings and errors of
+``_workers/process_runner.py`` (:class:`Death`)."""
 
 from __future__ import annotations
 
 import signal
-from typing import Final
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .._errors import short_indices
+from .pool import FetchMarks
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -63,3 +68,67 @@ def likely_cause(exitcode: int | None) -> str:
     if not cause and (exitcode or 0) >= 0:
         cause = _CALLED_EXIT
     return f" ({cause})" if cause else ""
+
+
+_PHASES: Final = {
+    FetchMarks.UNSTARTED: "being started (it died before it could start: no worker code ran)",
+    FetchMarks.STARTING: "starting (in worker_init_fn or its set-up)",
+    FetchMarks.RESTORING: "restoring its snapshot",
+    FetchMarks.IDLE: "idle",
+}
+
+
+def worker_name(slot: int, processes: int, count: int) -> str:
+    """Logical worker ``slot`` of ``count``, hosted by one of ``processes`` processes."""
+    if processes == count:
+        return f"worker {slot}"
+    return f"worker process {slot % processes} (hosting logical worker {slot})"
+
+
+def doing(epoch: int, iterable: bool, key: int | None, indices: Any, fetching: bool, mark: int) -> str:
+    """What a worker was doing when it died: loading the batch of task ``key`` (None:
+    no task was due), or the phase its fetch mark ``mark`` names before that batch."""
+    phase = _PHASES.get(mark, "idle")
+    if key is None:
+        return f"{phase} in epoch {epoch}"
+    if iterable:
+        batch = f"its batch {key} of epoch {epoch}"
+    else:
+        batch = f"batch {key} of epoch {epoch} (sample indices {short_indices(indices)})"
+    return f"loading {batch}" if fetching else f"{phase}, before {batch}"
+
+
+@dataclass(frozen=True)
+class Death:
+    """A worker process's death, in words: ``who`` (:func:`worker_name`) died with
+    ``exitcode`` while ``what`` (:func:`doing`)."""
+
+    pid: int
+    exitcode: int | None
+    who: str
+    what: str
+
+    def said(self) -> str:
+        """The news, for the respawn warning."""
+        return f"{self.who} (pid {self.pid}) {describe_exit(self.exitcode)} while {self.what}{likely_cause(self.exitcode)}"
+
+    def _head(self) -> str:
+        return f"{torch_wording(self.pid, self.exitcode)} {self.said()}"
+
+    def cannot_start(self) -> str:
+        head = f"{torch_wording(self.pid, self.exitcode)} {self.who} (pid {self.pid}) {describe_exit(self.exitcode)} while {self.what}"
+        return f"{head}; a worker that cannot start is not respawned. {NO_MAIN_GUARD}"
+
+    def storm(self, times: int, retries: int) -> str:
+        return (
+            f"{self._head()}, {times} times in a row without producing a batch; gave up after "
+            f"{times - 1} respawn(s) (at most max_worker_retries + 1 deaths of a process between "
+            f"two of its results, max_worker_retries={retries}). state_dict() resumes at the next batch"
+        )
+
+    def poison(self, times: int, retries: int) -> str:
+        return (
+            f"{self._head()}, {times} times in a row; gave up after {retries} respawn(s) "
+            f"(max_worker_retries={retries}). The batch likely holds a sample that crashes the "
+            "dataset code; state_dict() still resumes at this batch"
+        )

@@ -39,6 +39,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import re
+import resource
 import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -382,3 +383,16 @@ class Pool:
             worker.process.close()
         self.workers = [None] * len(self.workers)
         self.marks.close()
+
+
+# At most this many fds held by received results in the main process, and a quarter of
+# the soft limit (NOTE [ fd budget ] in _workers/process_runner.py).
+_FD_BUDGET_MAX: Final = 64
+
+
+def fd_budget() -> int:
+    """How many fds the main process may hold in received but not yet yielded results."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return _FD_BUDGET_MAX
+    return max(1, min(_FD_BUDGET_MAX, soft // 4))

@@ -36,7 +36,6 @@ whose answer comes next.
 from __future__ import annotations
 
 import pickle
-import resource
 import threading
 from collections import deque
 import time
@@ -47,10 +46,10 @@ from typing import Callable, Final
 
 import cloudpickle
 
-from .._errors import WorkerCrashedError, WorkerRespawnedWarning, short_indices, user_stacklevel
+from .._errors import WorkerCrashedError, WorkerRespawnedWarning, user_stacklevel
 from .._state.ledger import EpochProgress, resume_after
-from .exits import NO_MAIN_GUARD, describe_exit, likely_cause, torch_wording
-from .pool import FetchMarks, Pool, WorkerProcess
+from .exits import Death, doing, worker_name
+from .pool import FetchMarks, Pool, WorkerProcess, fd_budget
 from .process_main import copy_setup, fetch_mark, worker_main
 from .messages import (
     Kind,
@@ -80,15 +79,6 @@ _BACKOFF_MAX_S: Final = 2.0
 # before the failure is taken for the user's: a sender killed right after sending
 # closes its sockets an instant before it can be reaped.
 _SENDER_DEATH_GRACE_S: Final = 1.0
-# See NOTE [ fd budget ]: at most this many fds, and a quarter of the soft limit.
-_FD_BUDGET_MAX: Final = 64
-
-
-def _fd_budget() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return _FD_BUDGET_MAX
-    return max(1, min(_FD_BUDGET_MAX, soft // 4))
 
 
 class ProcessRunner(Runner):
@@ -119,7 +109,7 @@ class ProcessRunner(Runner):
         self.storm = [0] * self.processes
         # process: (when, what happened for the warning or "" for none, the retry count)
         self.respawn_due: dict[int, tuple[float, str, str]] = {}
-        self.fd_budget = _fd_budget()
+        self.fd_budget = fd_budget()
         # NOTE [ closed from another thread ]: load_state_dict() may stop the workers
         # while next() waits on them in another thread. Handling what a wait brought
         # (which may respawn a process) and close() exclude each other, and the waiter
@@ -331,8 +321,6 @@ class ProcessRunner(Runner):
         mark = self.pool.marks.get(process)
         self.pool.discard(process)
         exitcode = worker.process.exitcode
-        how = describe_exit(exitcode)
-        cause = likely_cause(exitcode)
         # It answers in order: it answered the first ``lost`` outstanding tasks (the
         # answers were lost) and died on a later one, or idle. Its mark names the task
         # it was fetching (it may be past the first unanswered one when answers sent
@@ -341,20 +329,23 @@ class ProcessRunner(Runner):
         at = next((i for i, (w, t) in enumerate(unanswered) if fetch_mark(t.key, w, self.count) == mark), 0)
         slot, task = unanswered[at] if unanswered else (self.hosted[process][0], None)
         fetching = task is not None and mark == fetch_mark(task.key, slot, self.count)
-        what = self._describe(slot, task, fetching, mark)
-        head = f"{torch_wording(worker.pid, exitcode)} {self._name(slot)} (pid {worker.pid}) {how} while {what}"
+        death = Death(
+            worker.pid,
+            exitcode,
+            worker_name(slot, self.processes, self.count),
+            doing(self.epoch, self.iterable, None if task is None else task.key,
+                  None if task is None else task.indices, fetching, mark),
+        )
         self.storm[process] += 1
         storm, most = self.storm[process], self.max_retries + 1
         if mark == FetchMarks.UNSTARTED and (exitcode or 0) > 0:
-            self._fail_process(process, WorkerCrashedError(
-                f"{head}; a worker that cannot start is not respawned. {NO_MAIN_GUARD}"
-            ))
+            self._fail_process(process, WorkerCrashedError(death.cannot_start()))
             return
         if fetching and task is not None:
             key = (self.epoch, slot, task.key)
             self.crashes[key] = self.crashes.get(key, 0) + 1
             if self.crashes[key] > self.max_retries:
-                self._give_up(worker, slot, what, how, cause, self.crashes[key], task)
+                self._give_up(slot, WorkerCrashedError(death.poison(self.crashes[key], self.max_retries)), task)
                 hosted = [self.slots[w] for w in self.hosted[process]]
                 if all(state.failed is not None and not state.outstanding for state in hosted):
                     return  # nothing more is asked of this process
@@ -362,18 +353,13 @@ class ProcessRunner(Runner):
         else:
             retry = "not counted against any batch (it had not started one)"
             if storm >= most:
-                self._fail_process(process, WorkerCrashedError(
-                    f"{head}{cause}, {storm} times in a row without producing a batch; gave up "
-                    f"after {storm - 1} respawn(s) (at most max_worker_retries + 1 deaths of a "
-                    f"process between two of its results, max_worker_retries={self.max_retries}). "
-                    "state_dict() resumes at the next batch"
-                ))
+                self._fail_process(process, WorkerCrashedError(death.storm(storm, self.max_retries)))
                 return
         retry = f"{retry}; death {storm} in a row without a batch, of at most {most}"
         delay_s = 0.0
         if storm > 1:
             delay_s = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (storm - 2))
-        said = "" if self.slots[slot].failed is not None else f"{self._name(slot)} (pid {worker.pid}) {how} while {what}{cause}"
+        said = "" if self.slots[slot].failed is not None else death.said()
         self.respawn_due[process] = (time.monotonic() + delay_s, said, retry)
         if delay_s == 0:
             self._respawn_when_due()
@@ -388,22 +374,7 @@ class ProcessRunner(Runner):
             state.outstanding.clear()
         self.order[process].clear()
 
-    def _name(self, slot: int) -> str:
-        if self.processes == self.count:
-            return f"worker {slot}"
-        return f"worker process {slot % self.processes} (hosting logical worker {slot})"
-
-    def _give_up(
-        self, worker: WorkerProcess, slot: int, what: str, how: str, cause: str, times: int, task: Task
-    ) -> None:
-        retries = self.max_retries
-        error = WorkerCrashedError(
-            f"{torch_wording(worker.pid, worker.process.exitcode)} "
-            f"{self._name(slot)} (pid {worker.pid}) {how} while {what}{cause}, {times} times in "
-            f"a row; gave up after {retries} respawn(s) (max_worker_retries={retries}). "
-            "The batch likely holds a sample that crashes the dataset code; "
-            "state_dict() still resumes at this batch"
-        )
+    def _give_up(self, slot: int, error: WorkerCrashedError, task: Task) -> None:
         # NOTE [ poison batch ]: raise when the failed batch is due (next_result), not
         # now, so that every batch before it is still yielded and state_dict() then
         # points at it. Only the tasks before it are produced again, by a new process,
@@ -442,21 +413,3 @@ class ProcessRunner(Runner):
                     WorkerRespawnedWarning,
                     stacklevel=user_stacklevel(),
                 )
-
-    def _describe(self, slot: int, task: Task | None, fetching: bool, mark: int) -> str:
-        phase = _PHASES.get(mark, "idle")
-        if task is None:
-            return f"{phase} in epoch {self.epoch}"
-        if self.iterable:
-            batch = f"its batch {task.key} of epoch {self.epoch}"
-        else:
-            batch = f"batch {task.key} of epoch {self.epoch} (sample indices {short_indices(task.indices)})"
-        return f"loading {batch}" if fetching else f"{phase}, before {batch}"
-
-
-_PHASES: Final = {
-    FetchMarks.UNSTARTED: "being started (it died before it could start: no worker code ran)",
-    FetchMarks.STARTING: "starting (in worker_init_fn or its set-up)",
-    FetchMarks.RESTORING: "restoring its snapshot",
-    FetchMarks.IDLE: "idle",
-}
