@@ -39,20 +39,12 @@ from .._errors import (
 )
 from .._workers.inline_runner import InlineRunner
 from .._state.ledger import (
-    EpochProgress,
-    EpochStart,
-    Position,
-    WorkerLedger,
-    first_due,
-    replay_message,
-    replay_without_protocol,
-    resume_slot,
-    share_count,
-    skip_map_batches,
+    EpochProgress, EpochStart, Position, WorkerLedger, first_due, replay_message,
+    replay_without_protocol, resume_slot, share_count, skip_map_batches,
 )
 from .dispatch import MapDispatch, by_position, pick, round_robin
 from .plan import IndexPlan, epoch_aware_part
-from .._workers.datapipe import is_iter_datapipe, seed_group, share_seed, world
+from .._workers.datapipe import SharedSeeds, world
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
@@ -84,9 +76,7 @@ class SnapIterator:
         self.progress: EpochProgress
         self.mapping: MapDispatch | None = None  # map-style: what is sent where
         self.as_ready = False  # in_order=False with worker processes (_epoch/dispatch.py)
-        # torch makes the group an IterDataPipe's shared seed is broadcast in once per
-        # iterator (a collective call: every rank's loader makes one here too).
-        self.seed_group = seed_group() if is_iter_datapipe(settings.dataset) else None
+        self.shared_seeds = SharedSeeds(settings.dataset)  # an IterDataPipe's, torch's way
         self.start_epoch(start)
 
     @property
@@ -127,7 +117,7 @@ class SnapIterator:
             workers, yielded, skip = shifted, yielded + skip, 0
         replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
         with replaying:
-            shared_seed = self._draw_shared_seed(source, start, restoring)
+            shared_seed = self.shared_seeds.draw(source, start, restoring)
             base_seed = start.base_seed
             if start.draw_base_seed or base_seed is None:
                 base_seed = source.draw_base_seed()
@@ -137,12 +127,7 @@ class SnapIterator:
                         f"checkpoint gives base seed {base_seed}, the checkpoint says "
                         f"{start.base_seed}; the checkpoint was edited or is corrupt"
                     )
-            if shared_seed is not None and logical > 0 and start.draw_base_seed:
-                # torch's worker iterator draws a second shared seed right after starting
-                # its workers (_reset(first_iter=True)), and uses it for nothing they see;
-                # the draw still moves the generator. Under the logical count, not
-                # num_workers, so a resume with another num_workers draws as the run did.
-                source.draw_base_seed()
+            self.shared_seeds.after_base_seed(source, logical, start.draw_base_seed)
             self.progress = EpochProgress(
                 epoch=start.epoch,
                 rng_start=rng_start,
@@ -169,27 +154,6 @@ class SnapIterator:
         if expected is not None and settings.options.check_resume:
             self.progress.expected_digests = list(expected)
         self._dispatch()
-
-    def _draw_shared_seed(self, source: RngSource, start: EpochStart, restoring: bool) -> int | None:
-        """An IterDataPipe's seed for the epoch: torch's first draw of every epoch,
-        before the base seed (``_workers/datapipe.py``). A restore makes the
-        same draw, so the generator ends where it did, but keeps the checkpoint's
-        seed: under torch.distributed it is rank 0's, which this rank cannot redraw."""
-        datapipe = is_iter_datapipe(self.settings.dataset)
-        if restoring and datapipe != (start.shared_seed is not None):
-            had = "an IterDataPipe" if start.shared_seed is not None else "a dataset that is not an IterDataPipe"
-            raise CheckpointFormatError(
-                f"restoring epoch {start.epoch}: loader state['shared_seed'] says the checkpoint "
-                f"was taken with {had}, but this loader's dataset is a "
-                f"{type(self.settings.dataset).__qualname__}. Load the checkpoint into a loader "
-                "of the same dataset, or start the epoch afresh"
-            )
-        if not datapipe:
-            return None
-        drawn = source.draw_base_seed()  # the same draw as torch's _share_dist_seed
-        if restoring and start.shared_seed is not None:
-            return start.shared_seed
-        return share_seed(drawn, self.seed_group)
 
     def _ready_workers(self, base_seed: int) -> None:
         """Start the workers (or reuse persistent ones) and position each for the epoch."""

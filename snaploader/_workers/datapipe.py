@@ -4,7 +4,7 @@ torch treats ``IterDataPipe`` (and, for sharding, ``MapDataPipe``) datasets spec
 
 - at every ``iter()`` (and every epoch of persistent workers) the main process draws a
   *shared seed* from the loader's generator, before the workers' base seed, and under
-  torch.distributed broadcasts rank 0's to every rank (:func:`share_seed`);
+  torch.distributed broadcasts rank 0's to every rank (:class:`SharedSeeds`);
 - each worker, and at ``num_workers=0`` the main process, seeds the pipe's random parts
   (``shuffle``) from that seed (:func:`seed_graph`), so all workers shuffle alike;
 - each worker shards the pipe's ``sharding_filter`` by its global worker id among
@@ -23,7 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 
+from .._errors import CheckpointFormatError
+from .._rng.capture import RngSource
 from .._rng.kinds import is_generator
+from .._state.ledger import EpochStart
 
 
 def is_iter_datapipe(dataset: Any) -> bool:
@@ -46,14 +49,50 @@ def seed_group() -> Any:
     return None
 
 
-def share_seed(seed: int, group: Any) -> int:
-    """``seed`` drawn here, or rank 0's under torch.distributed (torch's
-    ``_share_dist_seed``)."""
-    if group is None:
-        return seed
-    tensor = torch.tensor(seed, dtype=torch.int64)
-    dist.broadcast(tensor, src=0, group=group)
-    return int(tensor.item())
+class SharedSeeds:
+    """The shared seeds of one iterator's epochs (nothing for a dataset that is not an
+    IterDataPipe): the draws from the loader's generator, in torch's order around the
+    base seed, and the broadcast of rank 0's under torch.distributed."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.datapipe = is_iter_datapipe(dataset)
+        # torch makes the group the seed is broadcast in once per iterator, a collective
+        # call: every rank's loader makes one here too.
+        self.group = seed_group() if self.datapipe else None
+
+    def draw(self, source: RngSource, start: EpochStart, restoring: bool) -> int | None:
+        """The epoch's seed: torch's first draw of the epoch, before the base seed. A
+        restore makes the same draw, so the generator ends where it did, but keeps the
+        checkpoint's seed: under torch.distributed it is rank 0's, which this rank cannot
+        draw again."""
+        if restoring and self.datapipe != (start.shared_seed is not None):
+            had = "an IterDataPipe" if start.shared_seed is not None else "a dataset that is not an IterDataPipe"
+            raise CheckpointFormatError(
+                f"restoring epoch {start.epoch}: loader state['shared_seed'] says the checkpoint "
+                f"was taken with {had}, but this loader's dataset is a "
+                f"{type(self.dataset).__qualname__}. Load the checkpoint into a loader "
+                "of the same dataset, or start the epoch afresh"
+            )
+        if not self.datapipe:
+            return None
+        drawn = source.draw_base_seed()  # the same draw as torch's _share_dist_seed
+        if restoring and start.shared_seed is not None:
+            return start.shared_seed
+        if self.group is None:
+            return drawn
+        tensor = torch.tensor(drawn, dtype=torch.int64)
+        dist.broadcast(tensor, src=0, group=self.group)
+        return int(tensor.item())
+
+    def after_base_seed(self, source: RngSource, logical: int, drew_base_seed: bool) -> None:
+        """torch's worker iterator draws a second shared seed right after starting its
+        workers (``_reset(first_iter=True)``) and uses it for nothing they see; the draw
+        still moves the generator. Decided by the epoch's logical worker count, not
+        num_workers, so that a resume with another num_workers draws as the run did.
+        (Not broadcast: every rank skips the same unused collective.)"""
+        if self.datapipe and logical > 0 and drew_base_seed:
+            source.draw_base_seed()
 
 
 def seed_graph(dataset: Any, shared_seed: int) -> None:
