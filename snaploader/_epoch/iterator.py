@@ -40,19 +40,12 @@ from .._errors import (
 )
 from .._workers.inline_runner import InlineRunner
 from .._state.ledger import (
-    EpochProgress,
-    EpochStart,
-    Position,
-    WorkerLedger,
-    first_due,
-    replay_message,
-    replay_without_protocol,
-    resume_after,
-    share_count,
-    skip_map_batches,
+    EpochProgress, EpochStart, Position, WorkerLedger, first_due, replay_message,
+    replay_without_protocol, resume_slot, share_count, skip_map_batches,
 )
 from .dispatch import MapDispatch, by_position, pick, round_robin
 from .plan import IndexPlan, epoch_aware_part
+from .._workers.datapipe import SharedSeeds, world
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import NativeRng, RngSource
@@ -84,6 +77,7 @@ class SnapIterator:
         self.progress: EpochProgress
         self.mapping: MapDispatch | None = None  # map-style: what is sent where
         self.as_ready = False  # in_order=False with worker processes (_epoch/dispatch.py)
+        self.shared_seeds = SharedSeeds(settings.dataset)  # an IterDataPipe's, torch's way
         self.start_epoch(start)
 
     @property
@@ -126,6 +120,7 @@ class SnapIterator:
             _load_carried_state(settings.dataset, start.dataset_state)
         replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
         with replaying:
+            shared_seed = self.shared_seeds.draw(source, start, restoring)
             base_seed = start.base_seed
             if start.draw_base_seed or base_seed is None:
                 base_seed = source.draw_base_seed()
@@ -135,6 +130,7 @@ class SnapIterator:
                         f"checkpoint gives base seed {base_seed}, the checkpoint says "
                         f"{start.base_seed}; the checkpoint was edited or is corrupt"
                     )
+            self.shared_seeds.after_base_seed(source, logical, start.draw_base_seed)
             self.progress = EpochProgress(
                 epoch=start.epoch,
                 rng_start=rng_start,
@@ -145,6 +141,7 @@ class SnapIterator:
                 plan_skip=first_due(workers),
                 logical=logical,
                 in_order=start.in_order and not self.as_ready,
+                shared_seed=shared_seed,
             )
             self._warn_or_refuse_replay()
             self._ready_workers(base_seed)
@@ -174,8 +171,8 @@ class SnapIterator:
         # Persistent workers too are put at their epoch-start state explicitly, so a
         # worker respawned last epoch cannot drift from the ledger.
         runner.begin_epoch(self.progress)
-        for slot, ledger in enumerate(self.progress.workers):
-            runner.send(slot, resume_after(ledger))
+        for slot in range(len(self.progress.workers)):
+            runner.send(slot, resume_slot(self.progress, slot))
         # Taken as the dataset stands once the epoch has begun (after iter(dataset):
         # some datasets have a state only then), never loaded back into it.
         first = self.progress.workers[0]
@@ -215,6 +212,7 @@ class SnapIterator:
             base_seed=base_seed,
             options=settings.options,
             digests=settings.options.check_resume and settings.num_workers > 0,
+            world=world(),
         )
         if settings.num_workers == 0:
             inline = InlineRunner(setup)

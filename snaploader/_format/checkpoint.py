@@ -92,6 +92,7 @@ class Checkpoint:
     rng_next: bytes | None
     base_seed: int | None
     drew_base_seed: bool
+    shared_seed: int | None  # an IterDataPipe's seed for the epoch (drawn before base_seed)
     sampler_state: SamplerPosition | None
     sampler_epoch: int | None
     logical_workers: int

@@ -27,6 +27,9 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
     rng_start      base64 of that generator's state at the epoch start, or None
     rng_next       base64 of the generator's state for the next epoch, or None
     base_seed      the epoch's worker base seed; drew_base_seed: drawn this epoch
+    shared_seed    an IterDataPipe's seed for the epoch (drawn from rng_start before
+                   base_seed; rank 0's under torch.distributed), or None for another
+                   dataset; absent in older files: None
     sampler_state  {state, done}: the stateful sampler's state before the next batch
                    (done: it has nothing left this epoch), or None
     sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
@@ -168,7 +171,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
     if progress is None:
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
-            base_seed=None, drew_base_seed=True, sampler_state=None, sampler_epoch=None,
+            base_seed=None, drew_base_seed=True, shared_seed=None, sampler_state=None, sampler_epoch=None,
             skip=0, logical_workers=logical, in_order=True,
         )
     else:
@@ -187,6 +190,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
             rng_start=_plain.b64(progress.rng_start),
             base_seed=progress.base_seed,
             drew_base_seed=progress.drew_base_seed,
+            shared_seed=progress.shared_seed,
             sampler_state=sampler_state,
             sampler_epoch=progress.sampler_epoch,
             skip=position.skip,
@@ -304,6 +308,7 @@ def read_state(
         restore_rng=checkpoint.rng_start,
         base_seed=checkpoint.base_seed,
         draw_base_seed=checkpoint.drew_base_seed,
+        shared_seed=checkpoint.shared_seed,
         yielded=checkpoint.yielded,
         turn=checkpoint.turn,
         workers=ledgers,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
+from torch.utils.data import IterDataPipe
 from torch.utils.data.distributed import DistributedSampler
 
 from .._errors import CheckpointMismatchError, user_stacklevel
@@ -135,6 +136,10 @@ def fingerprint_of(
         length: int | None = len(dataset)
     except TypeError:
         length = None  # an iterable dataset without __len__
+    if isinstance(dataset, IterDataPipe):
+        # At num_workers=0 under torch.distributed the pipe is sharded in place, as torch
+        # does, which changes its len(): not a fact of the loader's arguments.
+        length = None
     return Fingerprint(
         {
             "dataset_kind": "iterable" if iterable else "map",

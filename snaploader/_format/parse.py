@@ -56,6 +56,7 @@ _TOP: Final[dict[str, tuple[type, ...]]] = {
     "rng_next": _OPTIONAL_STR,
     "base_seed": _OPTIONAL_INT,
     "drew_base_seed": (bool,),
+    "shared_seed": _OPTIONAL_INT,
     "sampler_state": (dict, type(None)),
     "sampler_epoch": _OPTIONAL_INT,
     "logical_workers": (int,),
@@ -92,7 +93,7 @@ _FINGERPRINT: Final[dict[str, tuple[type, ...]]] = {
     "generator": (str,),
 }
 # Fields added to a version after it was first written: their absence means this.
-_ADDED_TOP: Final[dict[str, Any]] = {"skip": 0, "in_order": True}
+_ADDED_TOP: Final[dict[str, Any]] = {"skip": 0, "in_order": True, "shared_seed": None}
 _ADDED_LEDGER: Final[dict[str, Any]] = {"skipped": 0}
 
 # torchdata's StatefulDataLoader.state_dict() keys (single- and multi-process iterators).
@@ -204,6 +205,10 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
     _at_least("loader state['skip']", top["skip"], 0)
     if top["sampler_epoch"] is not None:
         _at_least("loader state['sampler_epoch']", top["sampler_epoch"], 0)
+    if top["shared_seed"] is not None and top["shared_seed"] not in _SEED_RANGE:
+        raise _fail("loader state['shared_seed']", f"is {top['shared_seed']}; expected an int in [-2**63, 2**63)")
+    if epoch == -1 and top["shared_seed"] is not None:
+        raise _fail("loader state['shared_seed']", "is set, but the state describes no epoch (epoch -1)")
     if epoch == -1:
         if not top["ended"] or yielded or raw_workers or rng_start is not None:
             raise _fail("loader state", "describes no epoch (epoch -1) but holds an epoch's position")
@@ -240,6 +245,7 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
         rng_next=rng_next,
         base_seed=top["base_seed"],
         drew_base_seed=top["drew_base_seed"],
+        shared_seed=top["shared_seed"],
         sampler_state=sampler_state,
         sampler_epoch=top["sampler_epoch"],
         logical_workers=logical,
@@ -335,9 +341,13 @@ def _check_epoch_start(top: dict[str, Any], fingerprint: dict[str, Any], rng_sta
             "is False, but only persistent workers after the first epoch keep an earlier base seed",
         )
     if top["drew_base_seed"]:
-        # The base seed is the epoch's first draw from rng_start: they must agree.
+        # The base seed is the epoch's first draw from rng_start, or its second after an
+        # IterDataPipe's shared seed: they must agree. (The shared seed itself may be
+        # rank 0's, not a draw of this rank's generator: only its range is checked.)
         source = RngSource(torch.Generator())
         source.set_state(rng_start)
+        if top["shared_seed"] is not None:
+            source.draw_base_seed()
         if source.draw_base_seed() != base_seed:
             raise _fail("loader state['base_seed']", "is not the seed that loader state['rng_start'] gives; one of them was edited")
 

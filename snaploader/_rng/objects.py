@@ -136,11 +136,16 @@ class Found:
     path: str
     code: int
     access: Access
+    alike: bool = False  # seeded alike in every worker on purpose (see discover)
 
 
-def discover(roots: list[tuple[str, Any]], exclude: Exclude) -> tuple[list[Found], list[str]]:
+def discover(
+    roots: list[tuple[str, Any]], exclude: Exclude, alike: frozenset[int] = frozenset()
+) -> tuple[list[Found], list[str]]:
     """The generators reachable from ``roots`` in depth-first order, and the problems
-    met (uncapturable generators, the walk's bound)."""
+    met (uncapturable generators, the walk's bound). ``alike``: ids of generators that
+    start alike in every worker on purpose (an IterDataPipe's shuffle, seeded from the
+    epoch's shared seed), never reported as started in the same state."""
     found: list[Found] = []
     problems: list[str] = []
     seen: set[int] = set()
@@ -176,7 +181,7 @@ def discover(roots: list[tuple[str, Any]], exclude: Exclude) -> tuple[list[Found
                 if identity is not obj and id(identity) in seen:
                     continue  # a Generator over a bit generator already captured
                 seen.add(id(identity))
-                found.append(Found(path, code, access))
+                found.append(Found(path, code, access, id(obj) in alike))
             continue
         if isinstance(obj, _LEAVES):
             continue
@@ -202,17 +207,19 @@ class ObjectRngs:
         self.headers = [encode_header(entry.path, entry.code) for entry in found]
         self.last = [access.read() for access in self.access]
         self.initial = [_short_hash(state) for state in self.last]
-        self.moved = [False] * len(found)
+        self.moved = [entry.alike for entry in found]  # an alike one is never reported as moved
         self.blob = encode_entries(self.headers, self.last) if found else None
         found_kinds = tuple((path, KINDS[code].name) for path, code in zip(self.paths, self.codes))
         self.report: RngReport | None = RngReport(found_kinds, (), tuple(problems))
 
     @staticmethod
-    def find(roots: list[tuple[str, Any]], extra: ExtraRngs, exclude: Exclude) -> ObjectRngs:
+    def find(
+        roots: list[tuple[str, Any]], extra: ExtraRngs, exclude: Exclude, alike: frozenset[int] = frozenset()
+    ) -> ObjectRngs:
         roots = list(roots)
         if extra is not None:
             roots.append(("rng_objects()", extra()))
-        return ObjectRngs(*discover(roots, exclude))
+        return ObjectRngs(*discover(roots, exclude, alike))
 
     def read_all(self) -> list[bytes]:
         return [access.read() for access in self.access]

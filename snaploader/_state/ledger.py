@@ -83,6 +83,13 @@ def resume_from(
     return Resume(epoch_start, 0, at.produced, at.rng, new_epoch=True, final_objects=at.objects)
 
 
+def resume_slot(progress: EpochProgress, slot: int, received: Iterable[Snapshot] = ()) -> Resume:
+    """:func:`resume_after` for ``slot`` of the epoch ``progress`` describes, carrying
+    the epoch's shared seed."""
+    msg = resume_after(progress.workers[slot], received)
+    return msg if progress.shared_seed is None else replace(msg, shared_seed=progress.shared_seed)
+
+
 def resume_after(ledger: WorkerLedger, received: Iterable[Snapshot] = ()) -> Resume:
     """Where a worker must stand: after its last yielded batch or, with ``received``
     (the snapshots of batches it sent that are not yet yielded, oldest first), after
@@ -178,6 +185,8 @@ class EpochProgress:
     # (in_order=False, or a restore of such a checkpoint): the per-worker counts are
     # then all the position there is (_epoch/dispatch.py).
     in_order: bool = True
+    # The epoch's shared seed for an IterDataPipe dataset (_workers/datapipe.py); None otherwise.
+    shared_seed: int | None = None
     # first_due() of the position it was computed for (the position is immutable)
     _due: tuple[Position | None, int] = field(default=(None, 0), repr=False, compare=False)
 
@@ -287,6 +296,7 @@ class EpochStart:
     # end of the last one, loaded into the dataset at this epoch's start (it carries
     # over at num_workers=0, as in torch). None: nothing to load.
     dataset_state: Any = None
+    shared_seed: int | None = None  # a restore's IterDataPipe seed (rank 0's under torch.distributed)
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:

@@ -60,6 +60,7 @@ class Resume:
     new_epoch: bool
     exhausted: bool = False
     final_objects: bytes | None = None
+    shared_seed: int | None = None  # the epoch's seed for an IterDataPipe (_workers/datapipe.py)
 
 
 

@@ -62,6 +62,7 @@ class WorkerSetup:
     base_seed: int
     options: Options = Options()
     digests: bool = False  # send each batch's digest (the resume self-check)
+    world: tuple[int, int] = (1, 0)  # (world size, rank) a DataPipe is sharded by, read in the main process
 
 
 @dataclass(frozen=True, slots=True)

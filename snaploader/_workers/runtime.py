@@ -28,6 +28,7 @@ from torch.utils.data._utils import worker as torch_worker
 from .._errors import CheckpointFormatError
 from .._rng.objects import ObjectRngs, RngReport
 from .._format.plain import check_plain
+from .datapipe import is_iter_datapipe, seed_graph, seeded_generators, shard_graph
 from .messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._state.records import Resume, Snapshot, has_state_protocol
 from .._rng.capture import NativeRng, RngState, capture_rng, restore_rng
@@ -83,8 +84,10 @@ class WorkerRuntime:
         of the last two under the main-process contract)."""
         seed = seed_like_torch(self.setup.base_seed, self.worker_id)
         self.seed_rng = capture_rng()
+        world_size, rank = self.setup.world
         if self.main_contract:
             set_worker_info(None)
+            self._shard(0, world_size, rank)
             self._discover()
             return
         self.info = torch_worker.WorkerInfo(
@@ -94,12 +97,20 @@ class WorkerRuntime:
             dataset=self.dataset,
         )
         set_worker_info(self.info)
+        # torch shards a DataPipe in a wrapper around worker_init_fn, before it runs
+        self._shard(self.setup.logical, world_size, rank)
         if self.setup.worker_init_fn is not None:
             try:
                 self.setup.worker_init_fn(self.worker_id)
             except Exception as exc:
                 self.pending_error = WorkerError.capture(exc)
         self._discover()
+
+    def _shard(self, workers: int, world_size: int, rank: int) -> None:
+        try:
+            shard_graph(self.dataset, self.worker_id, workers, world_size, rank)
+        except Exception as exc:  # two sharding_filters in one branch, say
+            self.pending_error = WorkerError.capture(exc)
 
     def _discover(self) -> None:
         """Find the generator objects the worker's code holds (``_rng/objects.py``): at start,
@@ -110,7 +121,9 @@ class WorkerRuntime:
         if self.iterator is not None:
             roots.append(("iterator", self.iterator))
         try:
-            self.objects = ObjectRngs.find(roots, setup.options.rng_objects, setup.options.exclude_rngs)
+            self.objects = ObjectRngs.find(
+                roots, setup.options.rng_objects, setup.options.exclude_rngs, seeded_generators(self.dataset)
+            )
         except Exception as exc:  # rng_objects() or an exclude_rngs predicate raised
             self.objects = ObjectRngs([], [])
             self.pending_error = self.pending_error or WorkerError.capture(exc)
@@ -160,6 +173,9 @@ class WorkerRuntime:
         if self.setup.iterable:
             iterator_state = mid_epoch is not None and mid_epoch.data_owner == "iterator" and mid_epoch.complete
             try:
+                if msg.shared_seed is not None and is_iter_datapipe(self.dataset):
+                    # every epoch, replayed or not, before the pipe's iterator is made
+                    seed_graph(self.dataset, msg.shared_seed)
                 self.iterator = iter(self.dataset)
             except Exception as exc:
                 self.pending_error = self.pending_error or WorkerError.capture(exc)
