@@ -6,6 +6,10 @@ from __future__ import annotations
 import signal
 from typing import Final
 
+from .._errors import short_indices
+from .messages import Task
+from .pool import FetchMarks
+
 
 def describe_exit(exitcode: int | None) -> str:
     """'was killed by SIGKILL' / 'exited with code 3' / 'is still running'."""
@@ -43,10 +47,10 @@ _CALLED_EXIT: Final = (
     "a library that gave up"
 )
 
-# Python's own words for the missing guard (multiprocessing's bootstrapping error),
-# which torch's users know from its DataLoader under spawn.
-NO_MAIN_GUARD: Final = (
-    "This probably means that you are not using fork to start your child processes "
+# With Python's own words for the missing guard (multiprocessing's bootstrapping
+# error), which torch's users know from its DataLoader under spawn.
+CANNOT_START: Final = (
+    "a worker that cannot start is not respawned. This probably means that you are not using fork to start your child processes "
     "and you have forgotten to use the proper idiom in the main module: "
     'if __name__ == "__main__": ... (under spawn or forkserver each worker imports the '
     "main module again, and a loader built at its top level starts workers of its own). "
@@ -63,3 +67,44 @@ def likely_cause(exitcode: int | None) -> str:
     if not cause and (exitcode or 0) >= 0:
         cause = _CALLED_EXIT
     return f" ({cause})" if cause else ""
+
+
+_PHASES: Final = {
+    FetchMarks.UNSTARTED: "being started (it died before it could start: no worker code ran)",
+    FetchMarks.STARTING: "starting (in worker_init_fn or its set-up)",
+    FetchMarks.RESTORING: "restoring its snapshot",
+    FetchMarks.IDLE: "idle",
+}
+
+
+def describe_death(task: Task | None, fetching: bool, mark: int, epoch: int, iterable: bool) -> str:
+    """What a worker was doing when it died: loading ``task`` (``fetching``), or in the
+    phase its fetch mark names, before ``task`` (the first it owed) or idle."""
+    phase = _PHASES.get(mark, "idle")
+    if task is None:
+        return f"{phase} in epoch {epoch}"
+    if iterable:
+        batch = f"its batch {task.key} of epoch {epoch}"
+    else:
+        batch = f"batch {task.key} of epoch {epoch} (sample indices {short_indices(task.indices)})"
+    return f"loading {batch}" if fetching else f"{phase}, before {batch}"
+
+
+def poison_message(death: str, times: int, retries: int) -> str:
+    """WorkerCrashedError's text for a batch that killed its worker ``times`` times."""
+    return (
+        f"{death}, {times} times in a row; gave up after {retries} respawn(s) "
+        f"(max_worker_retries={retries}). The batch likely holds a sample that crashes the "
+        "dataset code; state_dict() still resumes at this batch"
+    )
+
+
+def storm_message(death: str, storm: int, retries: int) -> str:
+    """WorkerCrashedError's text for a process that died ``storm`` times in a row
+    without a result (NOTE [ restart storms ] in ``_workers/process_runner.py``)."""
+    return (
+        f"{death}, {storm} times in a row without producing a batch; gave up after "
+        f"{storm - 1} respawn(s) (at most max_worker_retries + 1 deaths of a process between "
+        f"two of its results, max_worker_retries={retries}). state_dict() resumes at the next batch"
+    )
+

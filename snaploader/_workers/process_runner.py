@@ -47,9 +47,11 @@ from typing import Callable, Final
 
 import cloudpickle
 
-from .._errors import WorkerCrashedError, WorkerRespawnedWarning, short_indices, user_stacklevel
+from .._errors import WorkerCrashedError, WorkerRespawnedWarning, user_stacklevel
 from .._state.ledger import EpochProgress, resume_after
-from .exits import NO_MAIN_GUARD, describe_exit, likely_cause, torch_wording
+from .exits import (
+    CANNOT_START, describe_death, describe_exit, likely_cause, poison_message, storm_message, torch_wording,
+)
 from .pool import FetchMarks, Pool, WorkerProcess
 from .process_main import copy_setup, fetch_mark, worker_main
 from .messages import (
@@ -57,7 +59,6 @@ from .messages import (
     Result,
     Task,
     UnreadablePayload,
-    WorkerError,
     WorkerSetup,
     fds_of,
     loads_result,
@@ -65,15 +66,12 @@ from .messages import (
 from .._state.records import Resume
 from .runner import Runner, RunnerClosed
 
-# NOTE [ restart storms ]: a death that is not a batch's fault (killed idle, or while
-# starting or restoring) counts against no batch, but a process that dies again and
-# again without delivering a result would be respawned forever (an OOM killer that
-# takes every restoring worker): max_worker_retries + 1 deaths of one process in a row
-# without a result end the run, raised when the next batch of a logical worker it hosts
-# is due (as a poison batch is). Repeated deaths are spaced out, from _BACKOFF_FIRST_S
-# doubling up to _BACKOFF_MAX_S. A process that exits with a code before reaching its
-# entry point cannot start at all (under spawn, a main module without the __main__
-# guard): that fails at once, as in torch.
+# NOTE [ restart storms ]: a death that is not a batch's fault (idle, starting,
+# restoring) counts against no batch, but max_worker_retries + 1 deaths of a process in
+# a row without a result end the run when its next batch is due (an OOM killer taking
+# every restoring worker would loop forever). Repeated deaths are spaced out, from
+# _BACKOFF_FIRST_S doubling up to _BACKOFF_MAX_S. A process that exits with a code
+# before its entry point cannot start (spawn without the __main__ guard): it fails at once.
 _BACKOFF_FIRST_S: Final = 0.05
 _BACKOFF_MAX_S: Final = 2.0
 # How long a result that failed to unpickle waits for its sender to be seen dead
@@ -291,7 +289,7 @@ class ProcessRunner(Runner):
                     if self._sender_died(worker):
                         lost += 1
                         continue
-                    result = self._unreadable_as_error(unreadable, slot)
+                    result = unreadable.as_error(slot)
                 except Exception:
                     lost += 1
                     continue
@@ -309,17 +307,6 @@ class ProcessRunner(Runner):
     @staticmethod
     def _sender_died(worker: WorkerProcess) -> bool:
         return bool(wait([worker.process.sentinel], _SENDER_DEATH_GRACE_S))
-
-    @staticmethod
-    def _unreadable_as_error(unreadable: UnreadablePayload, slot: int) -> Result:
-        # Its sender lives: the payload itself cannot be rebuilt here (a reconstructor
-        # that raises). The user's error, raised when this batch is due, like one
-        # raised in __getitem__; the snapshot after the batch came intact with it.
-        error = WorkerError.capture(
-            unreadable.error,
-            origin=f"in the main process, unpickling the batch worker {slot} sent",
-        )
-        return Result(unreadable.key, Kind.ERROR, error, unreadable.snapshot)
 
     def _on_death(self, worker: WorkerProcess, lost: int = 0) -> None:
         if not self.pool.holds(worker):
@@ -341,14 +328,12 @@ class ProcessRunner(Runner):
         at = next((i for i, (w, t) in enumerate(unanswered) if fetch_mark(t.key, w, self.count) == mark), 0)
         slot, task = unanswered[at] if unanswered else (self.hosted[process][0], None)
         fetching = task is not None and mark == fetch_mark(task.key, slot, self.count)
-        what = self._describe(slot, task, fetching, mark)
+        what = describe_death(task, fetching, mark, self.epoch, self.iterable)
         head = f"{torch_wording(worker.pid, exitcode)} {self._name(slot)} (pid {worker.pid}) {how} while {what}"
         self.storm[process] += 1
         storm, most = self.storm[process], self.max_retries + 1
         if mark == FetchMarks.UNSTARTED and (exitcode or 0) > 0:
-            self._fail_process(process, WorkerCrashedError(
-                f"{head}; a worker that cannot start is not respawned. {NO_MAIN_GUARD}"
-            ))
+            self._fail_process(process, WorkerCrashedError(f"{head}; {CANNOT_START}"))
             return
         if fetching and task is not None:
             key = (self.epoch, slot, task.key)
@@ -362,12 +347,7 @@ class ProcessRunner(Runner):
         else:
             retry = "not counted against any batch (it had not started one)"
             if storm >= most:
-                self._fail_process(process, WorkerCrashedError(
-                    f"{head}{cause}, {storm} times in a row without producing a batch; gave up "
-                    f"after {storm - 1} respawn(s) (at most max_worker_retries + 1 deaths of a "
-                    f"process between two of its results, max_worker_retries={self.max_retries}). "
-                    "state_dict() resumes at the next batch"
-                ))
+                self._fail_process(process, WorkerCrashedError(storm_message(head + cause, storm, self.max_retries)))
                 return
         retry = f"{retry}; death {storm} in a row without a batch, of at most {most}"
         delay_s = 0.0
@@ -396,14 +376,8 @@ class ProcessRunner(Runner):
     def _give_up(
         self, worker: WorkerProcess, slot: int, what: str, how: str, cause: str, times: int, task: Task
     ) -> None:
-        retries = self.max_retries
-        error = WorkerCrashedError(
-            f"{torch_wording(worker.pid, worker.process.exitcode)} "
-            f"{self._name(slot)} (pid {worker.pid}) {how} while {what}{cause}, {times} times in "
-            f"a row; gave up after {retries} respawn(s) (max_worker_retries={retries}). "
-            "The batch likely holds a sample that crashes the dataset code; "
-            "state_dict() still resumes at this batch"
-        )
+        head = f"{torch_wording(worker.pid, worker.process.exitcode)} {self._name(slot)} (pid {worker.pid})"
+        error = WorkerCrashedError(poison_message(f"{head} {how} while {what}{cause}", times, self.max_retries))
         # NOTE [ poison batch ]: raise when the failed batch is due (next_result), not
         # now, so that every batch before it is still yielded and state_dict() then
         # points at it. Only the tasks before it are produced again, by a new process,
@@ -442,21 +416,3 @@ class ProcessRunner(Runner):
                     WorkerRespawnedWarning,
                     stacklevel=user_stacklevel(),
                 )
-
-    def _describe(self, slot: int, task: Task | None, fetching: bool, mark: int) -> str:
-        phase = _PHASES.get(mark, "idle")
-        if task is None:
-            return f"{phase} in epoch {self.epoch}"
-        if self.iterable:
-            batch = f"its batch {task.key} of epoch {self.epoch}"
-        else:
-            batch = f"batch {task.key} of epoch {self.epoch} (sample indices {short_indices(task.indices)})"
-        return f"loading {batch}" if fetching else f"{phase}, before {batch}"
-
-
-_PHASES: Final = {
-    FetchMarks.UNSTARTED: "being started (it died before it could start: no worker code ran)",
-    FetchMarks.STARTING: "starting (in worker_init_fn or its set-up)",
-    FetchMarks.RESTORING: "restoring its snapshot",
-    FetchMarks.IDLE: "idle",
-}
