@@ -15,7 +15,7 @@ import torch.utils.data as torch_data
 from ._format.codec import build_state, copy_state, read_state
 from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
 from ._format.schema import LoaderFacts
-from ._errors import ReplayRefusedError, user_stacklevel
+from ._errors import ReplayRefusedError
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.options import Options
@@ -24,7 +24,7 @@ from ._state.published import Publisher
 from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
 from ._epoch.plan import stateful_part
-from ._state.records import has_state_protocol, lossy_state_protocol
+from ._state.records import has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count, state_with_skip
 
@@ -73,14 +73,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
       given ``get_worker_info()`` as torch's worker k), hosted by ``num_workers``
       processes (the main process at 0). A checkpoint resumes exactly whatever the
       ``num_workers`` of the loader it is loaded into; see ``docs/elastic.md``.
-    * ``state_protocol`` (bool or None, default None): True uses the dataset's (or its
-      iterator's) own ``state_dict()``/``load_state_dict()`` in checkpoints. False
-      ignores them: an iterable is then resumed by replaying from the epoch start,
-      exactly, which is what a dataset whose protocol loses data (a shuffle buffer it
-      does not save) needs; a map-style dataset's own state is then not restored.
-      None: True, except for datasets known to lose data through their protocol
-      (Hugging Face's ``IterableDataset.shuffle(buffer_size=...)``), which are resumed
-      as with False, announced by a warning; see ``docs/iterable.md``.
+    * ``state_protocol`` (default None): True uses the dataset's (or iterator's) own
+      ``state_dict()``/``load_state_dict()`` in checkpoints; False ignores them (an
+      iterable resumes by replay from the epoch start, exactly; a map-style dataset's
+      state is not restored); None: True, except for datasets known to lose data
+      through it (HF's shuffled IterableDataset): False, with a warning. docs/iterable.md.
 
     Differences from torch are listed in ``docs/differences.md``.
     """
@@ -140,21 +137,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 "worker (torch's DataLoader accepts it at construction, then raises "
                 "AssertionError at iter()); use prefetch_factor >= 1"
             )
-        if state_protocol is not None and not isinstance(state_protocol, bool):
-            raise ValueError(f"state_protocol should be True, False or None, got {state_protocol!r}")
-        # NOTE [ lossy dataset protocols ]: None asks snaploader to choose; a dataset known
-        # to lose items through its own state_dict() is then resumed by replay instead.
-        self._lossy_protocol = lossy_state_protocol(dataset) if state_protocol is None else None
-        if self._lossy_protocol is not None:
-            warnings.warn(
-                f"{self._lossy_protocol}. snaploader resumes it exactly by replay from the "
-                "epoch start instead (as with state_protocol=False), which reads the "
-                "epoch's batches before the checkpoint again; pass state_protocol=False to "
-                "say so and silence this, or state_protocol=True to resume through the "
-                "dataset's own state anyway (not exact)",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
+        state_protocol, self._lossy_protocol = resolve_state_protocol(state_protocol, dataset)
         self.options = Options.checked(
             num_workers,
             snapshot_every=snapshot_every,
@@ -164,7 +147,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             check_resume=check_resume,
             rng_objects=rng_objects,
             exclude_rngs=exclude_rngs,
-            state_protocol=self._lossy_protocol is None if state_protocol is None else state_protocol,
+            state_protocol=state_protocol,
             logical_workers=logical_workers,
             snapshot_every_given=snapshot_every is not _SNAPSHOT_EVERY_DEFAULT,
         )
@@ -421,9 +404,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 stateful.load_state_dict(restore.sampler_state["state"])
         if restore.rng_next is not None and self.generator is not None:
             RngSource(self.generator).set_state(restore.rng_next)
-        # The dataset's own state is loaded at the next iter(), when the epoch starts
-        # (_epoch/iterator.py), not here: loading it now would run user code that may set
-        # the global RNGs under the training loop, and an iterator abandoned before the
-        # iter() could still move it.
+        # The dataset's own state is loaded when the next epoch starts (_epoch/iterator.py),
+        # not here under the training loop's RNGs, where an abandoned iterator could move it.
         self._pending = replace(restore.start, dataset_state=restore.dataset_state)
         self._published.load(copy_state(state))

@@ -313,7 +313,6 @@ def test_a_failed_load_leaves_the_loader_untouched(good_state: dict[str, Any]) -
         ("drop_last", {}, {"drop_last": True}, ("False", "True")),
         ("sampler", {}, {"shuffle": False}, ("RandomSampler", "SequentialSampler")),
         ("generator", {}, {"generator": None}, ("'given'", "'none'")),
-        ("persistent_workers", {"num_workers": 1}, {"num_workers": 1, "persistent_workers": True}, ("False", "True")),
     ],
 )
 def test_fingerprint_mismatch_shows_both_sides_and_can_be_allowed(

@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import contextlib
-import pickle
 import warnings
 import weakref
 from typing import Any, Final
@@ -48,20 +47,15 @@ from .plan import IndexPlan, epoch_aware_part
 from .._workers.datapipe import SharedSeeds, world
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
-from .._rng.capture import NativeRng, RngSource
+from .._rng.capture import RngSource
 from .._workers.runner import Runner, RunnerClosed
+from .._workers.runtime import load_carried_state
 from .._workers.selfcheck import check_restored_batch
 from .settings import LoaderSettings
 
 _SETTLE_TIMEOUT_S: Final = 5.0
-_INVALIDATED: Final = (
-    "this iterator was invalidated by load_state_dict(); call iter(loader) to resume "
-    "from the loaded state"
-)
-_CLOSED_WHILE_WAITING: Final = (
-    "this iterator was closed by another thread while next() waited for a batch; call "
-    "iter(loader) for a new one"
-)
+_INVALIDATED: Final = "this iterator was invalidated by load_state_dict(); call iter(loader) to resume from the loaded state"
+_CLOSED_WHILE_WAITING: Final = "this iterator was closed by another thread while next() waited; call iter(loader)"
 
 
 class SnapIterator:
@@ -117,7 +111,7 @@ class SnapIterator:
                 expected = [None if a is not b else e for a, b, e in zip(workers, shifted, expected)]
             workers, yielded, skip = shifted, yielded + skip, 0
         if start.dataset_state is not None:
-            _load_carried_state(settings.dataset, start.dataset_state)
+            load_carried_state(settings.dataset, start.dataset_state)
         replaying = source.replaying(rng_start) if restoring else contextlib.nullcontext()
         with replaying:
             shared_seed = self.shared_seeds.draw(source, start, restoring)
@@ -173,8 +167,7 @@ class SnapIterator:
         runner.begin_epoch(self.progress)
         for slot in range(len(self.progress.workers)):
             runner.send(slot, resume_slot(self.progress, slot))
-        # Taken as the dataset stands once the epoch has begun (after iter(dataset):
-        # some datasets have a state only then), never loaded back into it.
+        # Taken after iter(dataset) (some datasets have a state only then), never loaded back.
         first = self.progress.workers[0]
         if first.epoch_start is None and first.yielded is None and (own := runner.own_epoch_start()):
             self.progress.set_epoch_start(own)
@@ -347,8 +340,7 @@ class SnapIterator:
                 return
             slot, task, result = found
             if result.kind is Kind.ERROR and isinstance(result.payload, WorkerError) and result.payload.start_up:
-                # A worker that failed to start or to restore: no batch of the original
-                # run, so not one to skip. Raised as without a skip; nothing is advanced.
+                # no batch of the original run, so not one to skip: raised as without a skip
                 raise result.payload.rebuild(self._where(slot, task))
             if progress.expected_digests and result.kind is Kind.BATCH:
                 self._self_check(slot, result)
@@ -421,14 +413,3 @@ class SnapIterator:
         except Exception:
             pass
 
-
-def _load_carried_state(dataset: Any, state: Any) -> None:
-    """Load a checkpoint's carried dataset state (EpochStart.dataset_state) into the
-    dataset, with every global RNG state kept: the original run never made this call,
-    so whatever it draws or sets must change neither the training loop's RNGs nor the
-    data stream's (seeded afresh for the epoch after it)."""
-    kept = NativeRng.take()
-    try:
-        dataset.load_state_dict(pickle.loads(pickle.dumps(state, pickle.HIGHEST_PROTOCOL)))
-    finally:
-        kept.put()

@@ -4,8 +4,11 @@ instruction that positions a worker for an epoch. Plain records, passed by refer
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from .._errors import user_stacklevel
 
 if TYPE_CHECKING:
     from .._rng.capture import NativeRng
@@ -69,6 +72,25 @@ def has_state_protocol(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+def resolve_state_protocol(option: Any, dataset: Any) -> tuple[bool, str | None]:
+    """``DataLoader(state_protocol=option)`` for ``dataset``: whether its own protocol is
+    used, and why not when the loader decided so itself (announced by a warning)."""
+    if option is not None and not isinstance(option, bool):
+        raise ValueError(f"state_protocol should be True, False or None, got {option!r}")
+    lossy = lossy_state_protocol(dataset) if option is None else None
+    if lossy is not None:
+        warnings.warn(
+            f"{lossy}. snaploader resumes it exactly by replay from the epoch start "
+            "instead (as with state_protocol=False), which reads the epoch's batches "
+            "before the checkpoint again; pass state_protocol=False to say so and silence "
+            "this, or state_protocol=True to resume through the dataset's own state "
+            "anyway (not exact)",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return (lossy is None if option is None else option), lossy
 
 
 # How far lossy_state_protocol() walks a dataset's chain of wrapped iterables.

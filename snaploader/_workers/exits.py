@@ -48,10 +48,10 @@ _CALLED_EXIT: Final = (
     "a library that gave up"
 )
 
-# Python's own words for the missing guard (multiprocessing's bootstrapping error),
-# which torch's users know from its DataLoader under spawn.
-NO_MAIN_GUARD: Final = (
-    "This probably means that you are not using fork to start your child processes "
+# With Python's own words for the missing guard (multiprocessing's bootstrapping
+# error), which torch's users know from its DataLoader under spawn.
+CANNOT_START: Final = (
+    "a worker that cannot start is not respawned. This probably means that you are not using fork to start your child processes "
     "and you have forgotten to use the proper idiom in the main module: "
     'if __name__ == "__main__": ... (under spawn or forkserver each worker imports the '
     "main module again, and a loader built at its top level starts workers of its own). "
@@ -117,7 +117,7 @@ class Death:
 
     def cannot_start(self) -> str:
         head = f"{torch_wording(self.pid, self.exitcode)} {self.who} (pid {self.pid}) {describe_exit(self.exitcode)} while {self.what}"
-        return f"{head}; a worker that cannot start is not respawned. {NO_MAIN_GUARD}"
+        return f"{head}; {CANNOT_START}"
 
     def storm(self, times: int, retries: int) -> str:
         return (

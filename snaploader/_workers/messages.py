@@ -199,6 +199,14 @@ class UnreadablePayload(Exception):
         self.snapshot = snapshot
         self.error = error
 
+    def as_error(self, slot: int) -> Result:
+        """The result to raise when this batch is due, once its sender is known alive:
+        the payload itself cannot be rebuilt here (a reconstructor that raises), which
+        is the user's error, like one raised in __getitem__; the snapshot after the
+        batch came intact with it."""
+        error = WorkerError.capture(self.error, origin=f"in the main process, unpickling the batch worker {slot} sent")
+        return Result(self.key, Kind.ERROR, error, self.snapshot)
+
 
 def loads_result(blob: bytes) -> Result:
     """Unpickle what :func:`dumps_result` made, opening shared memory as torch does.

@@ -56,7 +56,6 @@ from .messages import (
     Result,
     Task,
     UnreadablePayload,
-    WorkerError,
     WorkerSetup,
     fds_of,
     loads_result,
@@ -64,15 +63,12 @@ from .messages import (
 from .._state.records import Resume
 from .runner import Runner, RunnerClosed
 
-# NOTE [ restart storms ]: a death that is not a batch's fault (killed idle, or while
-# starting or restoring) counts against no batch, but a process that dies again and
-# again without delivering a result would be respawned forever (an OOM killer that
-# takes every restoring worker): max_worker_retries + 1 deaths of one process in a row
-# without a result end the run, raised when the next batch of a logical worker it hosts
-# is due (as a poison batch is). Repeated deaths are spaced out, from _BACKOFF_FIRST_S
-# doubling up to _BACKOFF_MAX_S. A process that exits with a code before reaching its
-# entry point cannot start at all (under spawn, a main module without the __main__
-# guard): that fails at once, as in torch.
+# NOTE [ restart storms ]: a death that is not a batch's fault (idle, starting,
+# restoring) counts against no batch, but max_worker_retries + 1 deaths of a process in
+# a row without a result end the run when its next batch is due (an OOM killer taking
+# every restoring worker would loop forever). Repeated deaths are spaced out, from
+# _BACKOFF_FIRST_S doubling up to _BACKOFF_MAX_S. A process that exits with a code
+# before its entry point cannot start (spawn without the __main__ guard): it fails at once.
 _BACKOFF_FIRST_S: Final = 0.05
 _BACKOFF_MAX_S: Final = 2.0
 # How long a result that failed to unpickle waits for its sender to be seen dead
@@ -281,7 +277,7 @@ class ProcessRunner(Runner):
                     if self._sender_died(worker):
                         lost += 1
                         continue
-                    result = self._unreadable_as_error(unreadable, slot)
+                    result = unreadable.as_error(slot)
                 except Exception:
                     lost += 1
                     continue
@@ -299,17 +295,6 @@ class ProcessRunner(Runner):
     @staticmethod
     def _sender_died(worker: WorkerProcess) -> bool:
         return bool(wait([worker.process.sentinel], _SENDER_DEATH_GRACE_S))
-
-    @staticmethod
-    def _unreadable_as_error(unreadable: UnreadablePayload, slot: int) -> Result:
-        # Its sender lives: the payload itself cannot be rebuilt here (a reconstructor
-        # that raises). The user's error, raised when this batch is due, like one
-        # raised in __getitem__; the snapshot after the batch came intact with it.
-        error = WorkerError.capture(
-            unreadable.error,
-            origin=f"in the main process, unpickling the batch worker {slot} sent",
-        )
-        return Result(unreadable.key, Kind.ERROR, error, unreadable.snapshot)
 
     def _on_death(self, worker: WorkerProcess, lost: int = 0) -> None:
         if not self.pool.holds(worker):

@@ -348,3 +348,14 @@ def _blame_own_state(exc: BaseException, dataset: Any, how: str) -> BaseExceptio
     )
     return exc
 
+
+def load_carried_state(dataset: Any, state: Any) -> None:
+    """Load a checkpoint's carried dataset state (EpochStart.dataset_state) into the
+    dataset, with every global RNG state kept: the original run never made this call,
+    so whatever it draws or sets must change neither the training loop's RNGs nor the
+    data stream's (seeded afresh for the epoch after it)."""
+    kept = NativeRng.take()
+    try:
+        dataset.load_state_dict(pickle.loads(pickle.dumps(state, pickle.HIGHEST_PROTOCOL)))
+    finally:
+        kept.put()
