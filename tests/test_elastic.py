@@ -203,7 +203,7 @@ def test_a_respawned_process_restores_every_logical_worker_it_hosted() -> None:
 
 
 def test_logical_workers_option_is_checked() -> None:
-    with pytest.raises(ValueError, match="logical_workers should be an int >= 0"):
+    with pytest.raises(ValueError, match="logical_workers should be an int from 0 to 1024"):
         DataLoader(LogicalProbe(4), logical_workers=-1)
     with pytest.raises(ValueError, match="cannot be hosted by num_workers=2"):
         DataLoader(LogicalProbe(4), num_workers=2, logical_workers=0)
