@@ -19,9 +19,10 @@ from ._errors import ReplayRefusedError
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.ledger import EpochProgress, EpochStart, replay_message, replay_without_protocol
-from ._rng.objects import RngCensus, discover
+from ._rng.objects import RngCensus, checked_exclude, discover
 from ._rng.kinds import KINDS
 from ._epoch.plan import stateful_part
+from ._epoch.resize import resized
 from ._state.records import has_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count, state_with_skip
@@ -95,6 +96,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
       an iterable is then resumed by replaying from the epoch start, exactly, which
       is what a dataset whose protocol loses data (a shuffle buffer it does not save)
       needs; a map-style dataset's own state is then not restored.
+    * ``seed_per_sample`` (bool, default False): each sample's random draws come from
+      states derived from (the epoch's base seed, the epoch, its index) alone, the
+      same whatever the topology reading it; not torch's stream for the same seed
+      (``docs/elastic.md``, "Per-sample seeds").
 
     Differences from torch are listed in ``docs/differences.md``.
     """
@@ -128,6 +133,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         snapshot_every_n_steps: int | None = None,
         state_protocol: bool = True,
         logical_workers: int | None = None,
+        seed_per_sample: bool = False,
     ) -> None:
         super().__init__(
             dataset,
@@ -173,8 +179,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 f"generators (called in each worker), or None; got {type(rng_objects).__name__}"
             )
         self.rng_objects = rng_objects
-        self.exclude_rngs = _checked_exclude(exclude_rngs)
-        self._rng_census = RngCensus()
+        self.exclude_rngs = checked_exclude(exclude_rngs)
         if not isinstance(state_protocol, bool):
             raise ValueError(f"state_protocol should be True or False, got {state_protocol!r}")
         self.state_protocol = state_protocol
@@ -193,6 +198,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 "logical_workers >= 1, or None for num_workers"
             )
         self.logical_workers = logical_workers
+        if not isinstance(seed_per_sample, bool):
+            raise ValueError(f"seed_per_sample should be True or False, got {seed_per_sample!r}")
+        self.seed_per_sample = seed_per_sample
+        self._rng_census = RngCensus(per_sample=seed_per_sample)
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -235,6 +244,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             state_protocol=self.state_protocol,
             logical_workers=self.logical_workers,
             in_order=self.in_order,
+            seed_per_sample=self.seed_per_sample,
         )
 
     def _warn_pin_memory(self) -> None:
@@ -310,6 +320,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             batch_sampler=self.batch_sampler,
             persistent_workers=self.persistent_workers,
             generator=self.generator,
+            seed_per_sample=self.seed_per_sample,
         )
 
     def _facts(self) -> LoaderFacts:
@@ -369,6 +380,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 "with in_order=False, whose yielded batches are not the first ones of the "
                 "epoch. Skip from a checkpoint taken with in_order=True or at an epoch's end"
             )
+        if not self._iterable and restore.start.restore_rng is not None:
+            restore = replace(restore, start=resized(restore.start, state["fingerprint"], self._fingerprint(), self._index_sampler))
         extra = skip_count(restore.start, skip, skip_to, facts.batches_per_epoch)
         if extra:
             total = restore.start.skip + extra
@@ -401,20 +414,3 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         self._pending_state = dict(state)
         self._progress = None
 
-
-def _checked_exclude(exclude: Any) -> Any:
-    if callable(exclude):
-        return exclude
-    if isinstance(exclude, str):
-        return (exclude,)
-    try:
-        paths = tuple(exclude)
-    except TypeError:
-        paths = None
-    if paths is None or not all(isinstance(path, str) for path in paths):
-        raise ValueError(
-            "exclude_rngs should be paths as captured_rngs() names them (a list of str, "
-            "e.g. ['dataset.noise_rng']) or a predicate (path, generator) -> bool; "
-            f"got {exclude!r:.80}"
-        )
-    return paths

@@ -46,7 +46,6 @@ from .._state.ledger import (
     first_due,
     replay_message,
     replay_without_protocol,
-    resume_after,
     share_count,
     skip_map_batches,
 )
@@ -55,6 +54,7 @@ from .plan import IndexPlan, epoch_aware_part
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
+from .._rng.per_sample import epoch_seed
 from .._workers.runner import Runner
 from .._workers.selfcheck import check_restored_batch
 from .settings import LoaderSettings
@@ -95,7 +95,8 @@ class SnapIterator:
             self.settings = settings
         settings = self.settings
         self.as_ready = not settings.in_order and settings.num_workers > 0
-        sampler_with_epoch = None if settings.iterable else epoch_aware_part(settings.index_sampler)
+        index_sampler = settings.index_sampler if start.index_sampler is None else start.index_sampler
+        sampler_with_epoch = None if settings.iterable else epoch_aware_part(index_sampler)
         if start.sampler_epoch is not None and sampler_with_epoch is not None:
             sampler_with_epoch.set_epoch(start.sampler_epoch)
         source = RngSource(settings.generator)
@@ -134,6 +135,9 @@ class SnapIterator:
                 plan_skip=first_due(workers),
                 logical=logical,
                 in_order=start.in_order and not self.as_ready,
+                sample_seed=epoch_seed(base_seed, start.epoch) if settings.seed_per_sample else None,
+                item_offset=start.item_offset,
+                epoch_length=start.epoch_length,
             )
             self._warn_or_refuse_replay()
             self._ready_workers(base_seed)
@@ -142,9 +146,13 @@ class SnapIterator:
             plan, self.mapping = None, None
             if not settings.iterable:
                 start_at = self.progress.plan_skip
-                plan = IndexPlan(settings.index_sampler, start_at, start.sampler_state, state_at=at_start)
+                plan = IndexPlan(
+                    index_sampler, start_at, start.sampler_state, state_at=at_start, item_offset=start.item_offset
+                )
                 counts = [share_count(ledger) for ledger in workers]
-                self.mapping = MapDispatch(plan, start_at, counts, settings.prefetch, not self.as_ready)
+                self.mapping = MapDispatch(
+                    plan, start_at, counts, settings.prefetch, not self.as_ready, self.progress.sample_seed
+                )
         self.progress.attach_plan(plan)
         if expected is not None and settings.check_resume:
             self.progress.expected_digests = list(expected)
@@ -166,8 +174,8 @@ class SnapIterator:
         first = self.progress.workers[0]
         if first.epoch_start is None and first.yielded is None and (own := runner.own_epoch_start()):
             self.progress.set_epoch_start(own)
-        for slot, ledger in enumerate(self.progress.workers):
-            runner.send(slot, resume_after(ledger))
+        for slot in range(self.progress.slots):
+            runner.send(slot, self.progress.resume(slot))
 
     def _warn_or_refuse_replay(self) -> None:
         # Once per restore: only a restored epoch start has workers mid-epoch. A refusal
@@ -237,7 +245,7 @@ class SnapIterator:
                 if self.progress.workers[slot].exhausted or state.failed is not None:
                     continue
                 while not state.done and len(state.outstanding) < settings.prefetch:
-                    runner.send(slot, Task(state.sent, None))
+                    runner.send(slot, Task(state.sent, None, self.progress.sample_seed))
                     state.sent += 1
             return
         if self.mapping is not None:

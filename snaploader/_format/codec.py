@@ -35,6 +35,10 @@ Layout (version 3; version 2 is read too, see ``_layout.READABLE_VERSIONS``)::
     in_order       False when the epoch's batches may have been yielded out of the fixed
                    order (in_order=False): the ledgers' counts are then the position,
                    and ``yielded`` only their sum; absent in older files: True
+    item_offset    sampler items consumed before the epoch's batch 0, for an epoch
+                   resumed with another batch size (_epoch/resize.py); absent: 0
+    epoch_length   the dataset length the epoch runs over when a resume changed it
+                   (_epoch/resize.py), or None: the fingerprint's; absent: None
     next_batches   per worker, {produced, digest} of its next batch when it had already
                    arrived (the resume self-check, _workers/selfcheck.py), or None
     workers        one ledger per logical worker (see _state/ledger.py):
@@ -162,7 +166,7 @@ def build_state(
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
             base_seed=None, drew_base_seed=True, sampler_state=None, sampler_epoch=None,
-            skip=0, logical_workers=logical, in_order=True,
+            skip=0, logical_workers=logical, in_order=True, item_offset=0, epoch_length=None,
         )
     else:
         position: Position = progress.position
@@ -183,6 +187,8 @@ def build_state(
             skip=position.skip,
             logical_workers=progress.logical,
             in_order=progress.in_order,
+            item_offset=progress.item_offset,
+            epoch_length=progress.epoch_length,
         )
         deadline = time.monotonic() + SEARCH_BUDGET_S
         ledgers = [
@@ -267,6 +273,15 @@ def read_state(
     validate(state)
     check_fingerprint(state, mine, allowed)
     logical = logical_workers_of(state)
+    saved = state["fingerprint"]
+    if (
+        any(saved[key] != mine.values[key] for key in ("batch_size", "dataset_length"))
+        or state.get("item_offset", 0)
+        or state.get("epoch_length") is not None
+    ):
+        # an epoch part of another batch size or length (_epoch/resize.py): this
+        # loader's batch count says nothing of it
+        facts = replace(facts, batches_per_epoch=None)
     check_consistent(state, replace(facts, slots=max(1, logical)))
     ledgers = [_ledger_from_plain(plain, f"loader state['workers'][{w}]") for w, plain in enumerate(state["workers"])]
     sampler_state = state["sampler_state"]
@@ -304,6 +319,8 @@ def read_state(
         skip=state.get("skip", 0),
         logical=logical,
         in_order=state.get("in_order", True),
+        item_offset=state.get("item_offset", 0),
+        epoch_length=state.get("epoch_length"),
     )
     return Restore(start, ledgers, None, None)
 

@@ -166,9 +166,14 @@ def validate(state: Any) -> None:
         if key not in state["fingerprint"]:
             raise _fail("loader state['fingerprint']", f"has no {key!r} key")
     _check_distributed(state["fingerprint"].get("distributed"))
+    if type(state["fingerprint"].get("seed_per_sample", False)) is not bool:
+        raise _fail("loader state['fingerprint']['seed_per_sample']", "should be True or False (absent: False)")
     if state["rng_kind"] not in ("generator", "global"):
         raise _fail("loader state['rng_kind']", f"should be 'generator' or 'global', got {state['rng_kind']!r}")
     check_count("loader state['skip']", state.get("skip", 0))
+    check_count("loader state['item_offset']", state.get("item_offset", 0))
+    if state.get("epoch_length") is not None:
+        check_count("loader state['epoch_length']", state["epoch_length"])
     if type(state.get("in_order", True)) is not bool:
         raise _fail("loader state['in_order']", f"should be True or False, got {state['in_order']!r:.60}")
     for w, ledger in enumerate(workers):

@@ -300,7 +300,10 @@ class RngCensus:
     """The main process's view of the generator objects its workers captured; gives each
     warning once per loader."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_sample: bool = False) -> None:
+        """``per_sample``: seed_per_sample is on, so workers that start a generator in the
+        same state do not draw the same numbers (each sample sets its own state)."""
+        self.per_sample = per_sample
         self.found: dict[int, tuple[tuple[str, str], ...]] = {}
         self.starts: dict[str, dict[bytes, int]] = {}
         self.warned: set[str] = set()
@@ -316,7 +319,7 @@ class RngCensus:
             if other != slot:
                 shared.append(path)
                 pair = (other, slot)
-        if shared:
+        if shared and not self.per_sample:
             self._warn(
                 f"workers {pair[0]} and {pair[1]} both started with {', '.join(shared)} in "
                 "the same state, so they draw the same 'random' numbers (the same "
@@ -336,3 +339,22 @@ class RngCensus:
             for path, kind in self.found[slot]:
                 out.setdefault(path, kind)
         return list(out.items())
+
+
+def checked_exclude(exclude: Any) -> Any:
+    """``exclude_rngs`` as given to the loader, checked: a predicate, or a tuple of paths."""
+    if callable(exclude):
+        return exclude
+    if isinstance(exclude, str):
+        return (exclude,)
+    try:
+        paths = tuple(exclude)
+    except TypeError:
+        paths = None
+    if paths is None or not all(isinstance(path, str) for path in paths):
+        raise ValueError(
+            "exclude_rngs should be paths as captured_rngs() names them (a list of str, "
+            "e.g. ['dataset.noise_rng']) or a predicate (path, generator) -> bool; "
+            f"got {exclude!r:.80}"
+        )
+    return paths

@@ -178,6 +178,12 @@ class EpochProgress:
     # (in_order=False, or a restore of such a checkpoint): the per-worker counts are
     # then all the position there is (_epoch/dispatch.py).
     in_order: bool = True
+    # seed_per_sample: the seed every sample of the epoch derives its states from
+    # (_rng/per_sample.py), sent with each task and resume; None when the option is off.
+    sample_seed: int | None = None
+    # An epoch part resumed with another batch size or dataset length (EpochStart's).
+    item_offset: int = 0
+    epoch_length: int | None = None
     # first_due() of the position it was computed for (the position is immutable)
     _due: tuple[Position | None, int] = field(default=(None, 0), repr=False, compare=False)
 
@@ -193,6 +199,11 @@ class EpochProgress:
         contract (``Runner.own_epoch_start``), before anything is yielded."""
         (ledger,) = self.position.workers
         self.position = replace(self.position, workers=(replace(ledger, epoch_start=snapshot, cache=[]),))
+
+    def resume(self, slot: int, received: Iterable[Snapshot] = ()) -> Resume:
+        """:func:`resume_after` for ``slot``'s ledger, with the epoch's per-sample seed."""
+        msg = resume_after(self.position.workers[slot], received)
+        return msg if self.sample_seed is None else replace(msg, seed=self.sample_seed)
 
     def note_digest(self, slot: int, produced: int, digest: str) -> None:
         self.received_digests[slot][produced] = digest
@@ -283,6 +294,12 @@ class EpochStart:
     skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
     logical: int | None = None  # the epoch's logical worker count (None: the loader's)
     in_order: bool = True  # False: a restored epoch yielded out of the fixed order
+    # An epoch part resumed with another batch size or dataset length (_epoch/resize.py):
+    # the sampler items consumed before its batch 0, the old range's length, and the
+    # index sampler rebuilt over it (None: the loader's own).
+    item_offset: int = 0
+    epoch_length: int | None = None
+    index_sampler: Any = None
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:

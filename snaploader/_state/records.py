@@ -51,7 +51,8 @@ class Resume:
     set the RNGs to ``final_rng`` (and the generator objects to ``final_objects``) when given. ``new_epoch`` says that ``base`` is the
     state at an epoch start, so an iterator-level state in it belongs to the last epoch.
     ``exhausted``: the worker has produced its last batch of the epoch (nothing is
-    replayed then; it answers every task with "exhausted")."""
+    replayed then; it answers every task with "exhausted"). ``seed``: the epoch's
+    per-sample seed (``seed_per_sample``), which a replayed batch is drawn with too."""
 
     base: Snapshot | None
     base_produced: int
@@ -60,7 +61,7 @@ class Resume:
     new_epoch: bool
     exhausted: bool = False
     final_objects: bytes | None = None
-
+    seed: int | None = None
 
 
 def has_state_protocol(obj: Any) -> bool:

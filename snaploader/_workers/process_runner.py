@@ -47,7 +47,7 @@ from typing import Callable, Final
 import cloudpickle
 
 from .._errors import WorkerCrashedError, WorkerRespawnedWarning, short_indices, user_stacklevel
-from .._state.ledger import EpochProgress, resume_after
+from .._state.ledger import EpochProgress
 from .exits import describe_exit, likely_cause, torch_wording
 from .pool import Pool, WorkerProcess
 from .process_main import copy_setup, fetch_mark, worker_main
@@ -385,7 +385,7 @@ class ProcessRunner(Runner):
             if self.progress is not None:
                 for slot in self.hosted[process]:
                     received = [result.snapshot for _, result in self.slots[slot].received]
-                    self._deliver(slot, resume_after(self.progress.workers[slot], received))
+                    self._deliver(slot, self.progress.resume(slot, received))
             for slot, pending in self._unanswered(process):
                 self._deliver(slot, pending)
             if said:

@@ -172,6 +172,13 @@ def gather(states: Sequence[dict[str, Any]]) -> World:
 
 def _position(who: str, state: dict[str, Any]) -> tuple[int, bool, int]:
     skip = state.get("skip", 0)
+    if not state["ended"] and (state.get("item_offset", 0) or state.get("epoch_length") is not None):
+        raise _refuse(
+            who,
+            "was taken in an epoch resumed with another batch_size or dataset length, whose "
+            "batches are not the old world's; change the world size from a checkpoint "
+            "taken after that epoch",
+        )
     if state["ended"] and skip:
         raise _refuse(
             who,
