@@ -202,6 +202,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             raise ValueError(f"seed_per_sample should be True or False, got {seed_per_sample!r}")
         self.seed_per_sample = seed_per_sample
         self._rng_census = RngCensus(per_sample=seed_per_sample)
+        # Set by snaploader.distributed for the loader reading a re-partitioned epoch's
+        # rest: the interrupted epoch's per-sample seed, used instead of this loader's.
+        self._sample_seed: int | None = None
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -245,6 +248,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             logical_workers=self.logical_workers,
             in_order=self.in_order,
             seed_per_sample=self.seed_per_sample,
+            sample_seed=self._sample_seed,
         )
 
     def _warn_pin_memory(self) -> None:

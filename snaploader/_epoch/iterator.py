@@ -135,7 +135,7 @@ class SnapIterator:
                 plan_skip=first_due(workers),
                 logical=logical,
                 in_order=start.in_order and not self.as_ready,
-                sample_seed=epoch_seed(base_seed, start.epoch) if settings.seed_per_sample else None,
+                sample_seed=self._sample_seed(base_seed, start.epoch),
                 item_offset=start.item_offset,
                 epoch_length=start.epoch_length,
             )
@@ -157,6 +157,12 @@ class SnapIterator:
         if expected is not None and settings.check_resume:
             self.progress.expected_digests = list(expected)
         self._dispatch()
+
+    def _sample_seed(self, base_seed: int, epoch: int) -> int | None:
+        settings = self.settings
+        if not settings.seed_per_sample:
+            return None
+        return epoch_seed(base_seed, epoch) if settings.sample_seed is None else settings.sample_seed
 
     def _ready_workers(self, base_seed: int) -> None:
         """Start the workers (or reuse persistent ones) and position each for the epoch."""

@@ -43,6 +43,7 @@ class LoaderSettings:
     logical_workers: int = 0  # the stream's worker count for a new epoch (_workers/process_main.py)
     in_order: bool = True  # False: yield each worker's batches as they come (_epoch/dispatch.py)
     seed_per_sample: bool = False  # each sample's draws from its own states (_rng/per_sample.py)
+    sample_seed: int | None = None  # the per-sample seed to use instead of the epoch's own
 
     @property
     def prefetch(self) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .._errors import CheckpointFormatError
+from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.schema import sha256_of
 from .._loader import DataLoader
 from .rules import Source, World, gather, hosted, remaining, require_in_order, sampler_for, share
@@ -95,6 +95,20 @@ def _build(make_loader: LoaderFactory, sampler: Sampler[int]) -> DataLoader[Any]
             f"sampler=<the sampler it is given>; got {type(loader).__qualname__}"
             f"{'' if not isinstance(loader, DataLoader) else f' with sampler {type(loader.sampler).__qualname__}'}"
         )
+    return loader
+
+
+def _remainder(make_loader: LoaderFactory, source: Source, rank: int, world_size: int) -> DataLoader[Any]:
+    """The loader reading new rank ``rank``'s share of the interrupted epoch, drawing with
+    that epoch's per-sample seed when the old run used seed_per_sample."""
+    loader = _build(make_loader, RemainderSampler(share(remaining(source), source.batch_size, rank, world_size)))
+    if loader.seed_per_sample != (source.sample_seed is not None):
+        raise CheckpointMismatchError(
+            f"seed_per_sample: {source.sample_seed is not None} in the old run's checkpoints / "
+            f"{loader.seed_per_sample} in the loader make_loader built; build it with the old "
+            "run's arguments"
+        )
+    loader._sample_seed = source.sample_seed
     return loader
 
 
@@ -268,7 +282,7 @@ def reshard(
     flat, during = _unwrap(states)
     if during:
         source, state = _resume_during(during, len(states), rank, world_size)
-        loader = _build(make_loader, RemainderSampler(share(remaining(source), source.batch_size, rank, world_size)))
+        loader = _remainder(make_loader, source, rank, world_size)
         loader.load_state_dict(state)
         return ReshardedLoader(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
@@ -299,11 +313,10 @@ def reshard(
             combine=combine, loaders=[after], epoch=_epoch_of(world),
         )
     require_in_order(world.states)
-    mine = share(remaining(world.source), world.source.batch_size, rank, world_size)
     return ReshardedLoader(
         mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
         combine=combine, loaders=[], epoch=_epoch_of(world),
-        rest=(world.source, _build(make_loader, RemainderSampler(mine))),
+        rest=(world.source, _remainder(make_loader, world.source, rank, world_size)),
     )
 
 

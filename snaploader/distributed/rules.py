@@ -21,6 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.fingerprint import FINGERPRINT_KEYS
 from .._format.schema import validate
+from .._rng.per_sample import epoch_seed
 
 # The fingerprint entries that differ between the ranks of one world: the rank itself,
 # and the process count, which never defines the stream (logical workers).
@@ -41,6 +42,9 @@ class Source:
     drop_last: bool
     sampler_epoch: int | None  # None: no epoch under way (nothing is left of one)
     consumed: tuple[int, ...]  # per old rank, batches yielded or skipped this epoch
+    # seed_per_sample: the interrupted epoch's per-sample seed, which the loaders reading
+    # its rest draw with (every sample then as the old run drew it); None: option off
+    sample_seed: int | None = None
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -48,6 +52,7 @@ class Source:
             "sampler_drop_last": self.sampler_drop_last, "dataset_length": self.dataset_length,
             "batch_size": self.batch_size, "drop_last": self.drop_last,
             "sampler_epoch": self.sampler_epoch, "consumed": list(self.consumed),
+            "sample_seed": self.sample_seed,
         }
 
     @classmethod
@@ -57,6 +62,8 @@ class Source:
         except (TypeError, KeyError) as exc:
             raise CheckpointFormatError(f"{where} is not a re-partition source ({exc})") from None
         ints = [source.num_replicas, source.seed, source.dataset_length, source.batch_size, *source.consumed]
+        if source.sample_seed is not None:
+            ints.append(source.sample_seed)
         if not all(type(value) is int for value in ints) or len(source.consumed) != source.num_replicas:
             raise CheckpointFormatError(f"{where} holds a count that is not an int, or not one per old rank")
         return source
@@ -225,7 +232,24 @@ def _source_of(states: list[dict[str, Any]]) -> Source:
         sampler_epoch=state["sampler_epoch"] if under_way else None,
         # an epoch that ended has yielded all its batches (check_consistent)
         consumed=tuple(_position(f"rank {r}'s checkpoint", s)[2] for r, s in enumerate(states)),
+        sample_seed=_sample_seed(states) if under_way else None,
     )
+
+
+def _sample_seed(states: list[dict[str, Any]]) -> int | None:
+    """The per-sample seed of the interrupted epoch (seed_per_sample), the same on every
+    rank, or None when the option is off."""
+    if not states[0]["fingerprint"].get("seed_per_sample", False):
+        return None
+    seeds = [state["base_seed"] for state in states]
+    if len(set(seeds)) > 1:
+        raise ValueError(
+            f"the ranks' loaders drew different base seeds for the interrupted epoch ({seeds}): "
+            "with seed_per_sample=True a sample's draws follow the base seed, so no rank "
+            "can draw a sample as its old rank did. Give every rank's loader the same "
+            "generator seed (torch.Generator().manual_seed(seed)) to reshard exactly"
+        )
+    return epoch_seed(seeds[0], states[0]["epoch"])
 
 
 def _batches(items: list[Any], fingerprint: dict[str, Any]) -> list[list[Any]]:
