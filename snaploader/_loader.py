@@ -24,6 +24,7 @@ from ._state.published import Publisher
 from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
 from ._epoch.plan import stateful_part
+from ._epoch.resize import resized
 from ._state.records import has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count, state_with_skip
@@ -78,6 +79,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
       iterable resumes by replay from the epoch start, exactly; a map-style dataset's
       state is not restored); None: True, except for datasets known to lose data
       through it (HF's shuffled IterableDataset): False, with a warning. docs/iterable.md.
+    * ``seed_per_sample`` (bool, default False): each sample's random draws come from
+      states derived from (the epoch's base seed, the epoch, its index) alone, the
+      same whatever the topology reading it; not torch's stream for the same seed
+      (``docs/elastic.md``, "Per-sample seeds").
 
     Differences from torch are listed in ``docs/differences.md``.
     """
@@ -111,6 +116,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         snapshot_every_n_steps: int | None = None,
         state_protocol: bool | None = None,
         logical_workers: int | None = None,
+        seed_per_sample: bool = False,
     ) -> None:
         super().__init__(
             dataset,
@@ -149,9 +155,13 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             exclude_rngs=exclude_rngs,
             state_protocol=state_protocol,
             logical_workers=logical_workers,
+            seed_per_sample=seed_per_sample,
             snapshot_every_given=snapshot_every is not _SNAPSHOT_EVERY_DEFAULT,
         )
-        self._rng_census = RngCensus()
+        self._rng_census = RngCensus(per_sample=seed_per_sample)
+        # Set by snaploader.distributed for the loader reading a re-partitioned epoch's
+        # rest: the interrupted epoch's per-sample seed, used instead of this loader's.
+        self._sample_seed: int | None = None
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._published = Publisher()  # what state_dict() reads
@@ -194,6 +204,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
     def logical_workers(self) -> int:
         return self.options.logical_workers
 
+    @property
+    def seed_per_sample(self) -> bool:
+        return self.options.seed_per_sample
+
     # -- iteration -------------------------------------------------------------------
 
     def _settings(self) -> LoaderSettings:
@@ -221,6 +235,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             rng_census=self._rng_census,
             lossy_protocol=self._lossy_protocol,
             in_order=self.in_order,
+            sample_seed=self._sample_seed,
         )
 
     def _warn_pin_memory(self) -> None:
@@ -325,6 +340,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             batch_sampler=self.batch_sampler,
             persistent_workers=self.persistent_workers,
             generator=self.generator,
+            seed_per_sample=self.seed_per_sample,
         )
 
     def _facts(self) -> LoaderFacts:
@@ -377,6 +393,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 "with in_order=False, whose yielded batches are not the first ones of the "
                 "epoch. Skip from a checkpoint taken with in_order=True or at an epoch's end"
             )
+        if not self._iterable and restore.start.restore_rng is not None:
+            restore = replace(restore, start=resized(restore.start, state["fingerprint"], self._fingerprint(), self._index_sampler))
         extra = skip_count(restore.start, skip, skip_to, facts.batches_per_epoch)
         if extra:
             total = restore.start.skip + extra

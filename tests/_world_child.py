@@ -11,13 +11,15 @@
   From a 2-rank run the states are read from a DCP checkpoint the ranks also saved
   (``snaploader.dcp_state``, then ``snaploader.distributed.dcp_states`` on the new ranks).
 
-The dataset draws "augmentations" from the workers' RNGs (num_workers=2), and 62
+With ``SNAPLOADER_TEST_PER_SAMPLE=1`` in the environment the loaders are built with
+``seed_per_sample=True``. The dataset draws "augmentations" from the workers' RNGs (num_workers=2), and 62
 samples on 4 ranks make DistributedSampler pad 2 repeats. Each rank writes
 ``OUT/<PHASE><SIZE>_<RANK>.pt``: {consumed, rest, following}, lists of batches.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,8 @@ _CUT = 2
 
 def make_loader(sampler: Any) -> snaploader.DataLoader[Any]:
     return snaploader.DataLoader(
-        Augmented(_N), batch_size=3, sampler=sampler, num_workers=2, generator=torch.Generator().manual_seed(1)
+        Augmented(_N), batch_size=3, sampler=sampler, num_workers=2, generator=torch.Generator().manual_seed(1),
+        seed_per_sample=os.environ.get("SNAPLOADER_TEST_PER_SAMPLE") == "1",
     )
 
 

@@ -28,6 +28,7 @@ NON_DEFAULT: dict[str, Any] = {
     "exclude_rngs": ("dataset.unused_rng",),
     "state_protocol": False,
     "logical_workers": 4,
+    "seed_per_sample": True,
 }
 
 

@@ -36,13 +36,15 @@ _ROOT = Path(__file__).resolve().parents[1]
 _CHILD_TIMEOUT_S = 120
 
 
-def _factory(n: int, batch_size: int = 3, drop_last: bool = False, num_workers: int = 0) -> Callable[[Any], Any]:
+def _factory(
+    n: int, batch_size: int = 3, drop_last: bool = False, num_workers: int = 0, per_sample: bool = False, seed: int = 1
+) -> Callable[[Any], Any]:
     dataset = Augmented(n)
 
     def make_loader(sampler: Any) -> snaploader.DataLoader[Any]:
         return snaploader.DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-            drop_last=drop_last, generator=torch.Generator().manual_seed(1),
+            drop_last=drop_last, generator=torch.Generator().manual_seed(seed), seed_per_sample=per_sample,
         )
 
     return make_loader
@@ -338,12 +340,13 @@ def test_concat_joins_what_default_collate_makes() -> None:
 # -- multi-process: gloo ranks on loopback ---------------------------------------------
 
 
-def _world(phase: str, size: int, old_size: int, out: Path) -> list[Any]:
+def _world(phase: str, size: int, old_size: int, out: Path, per_sample: bool = False) -> list[Any]:
     port = free_port()
+    flag = {"SNAPLOADER_TEST_PER_SAMPLE": "1" if per_sample else "0"}
     children = [
         subprocess.Popen(
             [sys.executable, "-m", "tests._world_child", phase, str(rank), str(size), str(old_size), str(port), str(out)],
-            cwd=_ROOT, env=dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=_ROOT, env=dict(os.environ, PYTHONPATH=str(_ROOT), OMP_NUM_THREADS="1", **flag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in range(size)
     ]
@@ -479,3 +482,63 @@ def test_dcp_states_names_an_entry_it_cannot_use(tmp_path: Path, entries: dict[s
     dcp.save({"loader": entries}, checkpoint_id=str(tmp_path / "bad"))
     with pytest.raises(snaploader.CheckpointFormatError, match=error):
         snaploader.distributed.dcp_states(str(tmp_path / "bad"))
+
+
+def _samples(batches: Any) -> dict[int, torch.Tensor]:
+    return {int(row[0]): row for batch in batches for row in batch}
+
+
+@pytest.mark.parametrize(("old", "new"), [(4, 3), (2, 3)])
+def test_per_sample_seeds_make_a_repartitioned_epoch_exact_per_sample(old: int, new: int) -> None:
+    make = _factory(31, per_sample=True)
+    run = _old_run(make, 31, old, cut=2)
+    expected = {i: row for rank in run.rest for i, row in _samples(rank).items()}
+    states = [through_bytes(state) for state in run.states]
+    got: dict[int, torch.Tensor] = {}
+    for rank in range(new):
+        loader = reshard(states, make, rank=rank, world_size=new)
+        assert loader.mode == "repartition"
+        loader.set_epoch(_EPOCH)
+        rows = _samples(list(loader))
+        assert not set(rows) & set(got), "a sample read twice"
+        got.update(rows)
+    consumed = {i for rank in run.consumed for i in _samples(rank)}
+    assert set(got) <= set(expected) and not set(got) & consumed
+    assert sorted(consumed | set(got)) == list(range(31))  # every sample once
+    for index, row in got.items():
+        assert torch.equal(row, expected[index]), f"sample {index} differs"
+
+
+def test_per_sample_seeds_need_one_generator_seed_on_every_rank() -> None:
+    states = []
+    for rank in range(4):
+        make = _factory(31, per_sample=True, seed=rank)
+        sampler = DistributedSampler(Augmented(31), num_replicas=4, rank=rank, shuffle=True, seed=5)
+        loader = make(sampler)
+        take(iter(loader), 1)
+        states.append(loader.state_dict())
+    with pytest.raises(ValueError, match="different base seeds"):
+        reshard(states, _factory(31, per_sample=True), rank=0, world_size=3)
+    same = _old_run(_factory(31, per_sample=True), 31, 4, cut=1).states
+    with pytest.raises(snaploader.CheckpointMismatchError, match="seed_per_sample: True"):
+        reshard(same, _factory(31), rank=0, world_size=3)
+
+
+@pytest.fixture(scope="module")
+def four_ranks_per_sample(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    out = tmp_path_factory.mktemp("four_per_sample")
+    return out, _world("save", 4, 4, out, per_sample=True)
+
+
+@pytest.mark.integration
+def test_four_gloo_ranks_on_three_match_sample_for_sample_with_per_sample_seeds(
+    four_ranks_per_sample: tuple[Path, list[Any]],
+) -> None:
+    out, saved = four_ranks_per_sample
+    resumed = _world("load", 3, 4, out, per_sample=True)
+    _check_repartitioned(saved, resumed)
+    expected = {i: row for r in saved for i, row in _samples(r["rest"]).items()}
+    got = {i: row for r in resumed for i, row in _samples(r["rest"]).items()}
+    assert got and set(got) <= set(expected)
+    for index, row in got.items():
+        assert torch.equal(row, expected[index]), f"sample {index} differs"

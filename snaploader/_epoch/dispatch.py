@@ -64,9 +64,12 @@ def pick(runner: Runner, ranked: Sequence[int]) -> int:
 class MapDispatch:
     """Sends one map-style epoch's batches (see the module docstring)."""
 
-    def __init__(self, plan: Any, start: int, counts: Sequence[int], prefetch: int, ordered: bool) -> None:
+    def __init__(
+        self, plan: Any, start: int, counts: Sequence[int], prefetch: int, ordered: bool, seed: int | None = None
+    ) -> None:
         """``plan`` starts at batch ``start``; ``counts``: per slot, the batches of its
-        share yielded before this epoch (re)started, which are not sent again."""
+        share yielded before this epoch (re)started, which are not sent again; ``seed``:
+        the epoch's per-sample seed each task carries (None: the option is off)."""
         self.plan = plan
         self.dispatched = start  # batches drawn from the plan: sent, held, or left out
         self.done = False  # the plan ran dry
@@ -74,6 +77,7 @@ class MapDispatch:
         self.held: list[deque[Task]] = [deque() for _ in self.counts]
         self.prefetch = prefetch
         self.ordered = ordered
+        self.seed = seed
 
     def finished(self, first_due: int) -> bool:
         """True when every batch of the epoch has been yielded."""
@@ -104,6 +108,6 @@ class MapDispatch:
             if key // slots < self.counts[slot]:
                 continue  # yielded before the checkpoint (in_order=False)
             if self.ordered or (not self.held[slot] and self._room(runner, slot)):
-                runner.send(slot, Task(key, indices))
+                runner.send(slot, Task(key, indices, self.seed))
             else:
-                self.held[slot].append(Task(key, indices))
+                self.held[slot].append(Task(key, indices, self.seed))

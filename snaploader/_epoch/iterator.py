@@ -40,7 +40,7 @@ from .._errors import (
 from .._workers.inline_runner import InlineRunner
 from .._state.ledger import (
     EpochProgress, EpochStart, Position, WorkerLedger, first_due, replay_message,
-    replay_without_protocol, resume_slot, share_count, skip_map_batches,
+    replay_without_protocol, share_count, skip_map_batches,
 )
 from .dispatch import MapDispatch, by_position, pick, round_robin
 from .plan import IndexPlan, epoch_aware_part
@@ -48,6 +48,7 @@ from .._workers.datapipe import SharedSeeds, world
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
+from .._rng.per_sample import epoch_seed
 from .._workers.runner import Runner, RunnerClosed
 from .._workers.runtime import load_carried_state
 from .._workers.selfcheck import check_restored_batch
@@ -92,7 +93,8 @@ class SnapIterator:
             self.settings = settings
         settings = self.settings
         self.as_ready = not settings.in_order and settings.num_workers > 0
-        sampler_with_epoch = None if settings.iterable else epoch_aware_part(settings.index_sampler)
+        index_sampler = settings.index_sampler if start.index_sampler is None else start.index_sampler
+        sampler_with_epoch = None if settings.iterable else epoch_aware_part(index_sampler)
         if start.sampler_epoch is not None and sampler_with_epoch is not None:
             sampler_with_epoch.set_epoch(start.sampler_epoch)
         source = RngSource(settings.generator)
@@ -136,6 +138,9 @@ class SnapIterator:
                 logical=logical,
                 in_order=start.in_order and not self.as_ready,
                 shared_seed=shared_seed,
+                sample_seed=self._sample_seed(base_seed, start.epoch),
+                item_offset=start.item_offset,
+                epoch_length=start.epoch_length,
             )
             self._warn_or_refuse_replay()
             self._ready_workers(base_seed)
@@ -144,13 +149,23 @@ class SnapIterator:
             plan, self.mapping = None, None
             if not settings.iterable:
                 start_at = self.progress.plan_skip
-                plan = IndexPlan(settings.index_sampler, start_at, start.sampler_state, state_at=at_start)
+                plan = IndexPlan(
+                    index_sampler, start_at, start.sampler_state, state_at=at_start, item_offset=start.item_offset
+                )
                 counts = [share_count(ledger) for ledger in workers]
-                self.mapping = MapDispatch(plan, start_at, counts, settings.prefetch, not self.as_ready)
+                self.mapping = MapDispatch(
+                    plan, start_at, counts, settings.prefetch, not self.as_ready, self.progress.sample_seed
+                )
         self.progress.attach_plan(plan)
         if expected is not None and settings.options.check_resume:
             self.progress.expected_digests = list(expected)
         self._dispatch()
+
+    def _sample_seed(self, base_seed: int, epoch: int) -> int | None:
+        settings = self.settings
+        if not settings.options.seed_per_sample:
+            return None
+        return epoch_seed(base_seed, epoch) if settings.sample_seed is None else settings.sample_seed
 
     def _ready_workers(self, base_seed: int) -> None:
         """Start the workers (or reuse persistent ones) and position each for the epoch."""
@@ -166,7 +181,7 @@ class SnapIterator:
         # worker respawned last epoch cannot drift from the ledger.
         runner.begin_epoch(self.progress)
         for slot in range(len(self.progress.workers)):
-            runner.send(slot, resume_slot(self.progress, slot))
+            runner.send(slot, self.progress.resume(slot))
         # Taken after iter(dataset) (some datasets have a state only then), never loaded back.
         first = self.progress.workers[0]
         if first.epoch_start is None and first.yielded is None and (own := runner.own_epoch_start()):
@@ -239,7 +254,7 @@ class SnapIterator:
                 if self.progress.workers[slot].exhausted or state.failed is not None:
                     continue
                 while not state.done and len(state.outstanding) < settings.prefetch:
-                    runner.send(slot, Task(state.sent, None))
+                    runner.send(slot, Task(state.sent, None, self.progress.sample_seed))
                     state.sent += 1
             return
         if self.mapping is not None:

@@ -168,18 +168,22 @@ class IndexPlan:
         sampler_state: Any = None,
         *,
         state_at: int | None = None,
+        item_offset: int = 0,
     ) -> None:
         """The plan starts at batch ``skip``. ``sampler_state`` is what
         :meth:`sampler_state_before` returned in the run being restored: the stateful
         sampler then stands at batch ``state_at`` (default ``skip``) by itself, and
-        the batches from there to ``skip`` are skipped (``load_state_dict(skip=...)``)."""
+        the batches from there to ``skip`` are skipped (``load_state_dict(skip=...)``).
+        ``item_offset``: sampler items consumed before batch 0 (an epoch part resumed
+        with another batch size, ``_epoch/resize.py``); a sampler state includes them."""
         self.stateful = stateful_part(index_sampler)
         done = False
         if self.stateful is not None and sampler_state is not None:
             self.stateful.load_state_dict(sampler_state["state"])
             done = bool(sampler_state["done"])
             skip -= skip if state_at is None else state_at
-        self.batches: Iterator[Any] = iter(()) if done else self._iterate(index_sampler, skip)
+            item_offset = 0
+        self.batches: Iterator[Any] = iter(()) if done else self._iterate(index_sampler, skip, item_offset)
         # state_dict() of the stateful sampler taken before each drawn batch, oldest first
         self.states: deque[Any] = deque()
         self.next_index = 0
@@ -187,9 +191,9 @@ class IndexPlan:
         self.drawn = 0
         self.upcoming = self._draw()
 
-    def _iterate(self, index_sampler: Any, skip: int) -> Iterator[Any]:
+    def _iterate(self, index_sampler: Any, skip: int, item_offset: int) -> Iterator[Any]:
         if type(index_sampler) is BatchSampler:
-            items = _skipped(index_sampler.sampler, skip * index_sampler.batch_size)
+            items = _skipped(index_sampler.sampler, item_offset + skip * index_sampler.batch_size)
             return _batches(items, index_sampler.batch_size, index_sampler.drop_last)
         return _skipped(index_sampler, skip)
 

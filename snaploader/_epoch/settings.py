@@ -39,6 +39,7 @@ class LoaderSettings:
     rng_census: RngCensus | None = None
     lossy_protocol: str | None = None  # why state_protocol was turned off for this dataset
     in_order: bool = True  # False: yield each worker's batches as they come (_epoch/dispatch.py)
+    sample_seed: int | None = None  # the per-sample seed to use instead of the epoch's own
 
     @property
     def prefetch(self) -> int:

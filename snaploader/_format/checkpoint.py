@@ -98,6 +98,11 @@ class Checkpoint:
     logical_workers: int
     skip: int
     in_order: bool
+    # An epoch part resumed with another batch size or dataset length (_epoch/resize.py):
+    # the sampler items consumed before its batch 0, and the length it runs over (None:
+    # the fingerprint's).
+    item_offset: int
+    epoch_length: int | None
     next_batches: tuple[NextBatch | None, ...]
     workers: tuple[WorkerLedger, ...]
 

@@ -42,6 +42,10 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
     in_order       False when the epoch's batches may have been yielded out of the fixed
                    order (in_order=False): the ledgers' counts are then the position,
                    and ``yielded`` only their sum; absent in older files: True
+    item_offset    sampler items consumed before the epoch's batch 0, for an epoch
+                   resumed with another batch size (_epoch/resize.py); absent: 0
+    epoch_length   the dataset length the epoch runs over when a resume changed it
+                   (_epoch/resize.py), or None: the fingerprint's; absent: None
     next_batches   per worker, {produced, digest} of its next batch when it had already
                    arrived (the resume self-check, _workers/selfcheck.py), or None
     workers        one ledger per logical worker (see _state/ledger.py):
@@ -172,7 +176,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
             base_seed=None, drew_base_seed=True, shared_seed=None, sampler_state=None, sampler_epoch=None,
-            skip=0, logical_workers=logical, in_order=True,
+            skip=0, logical_workers=logical, in_order=True, item_offset=0, epoch_length=None,
         )
     else:
         position = progress.position if position is None else position
@@ -196,6 +200,8 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
             skip=position.skip,
             logical_workers=progress.logical,
             in_order=progress.in_order,
+            item_offset=progress.item_offset,
+            epoch_length=progress.epoch_length,
         )
         ledgers = [_ledger_to_plain(ledger, w) for w, ledger in enumerate(position.workers)]
         next_batches = [
@@ -282,6 +288,15 @@ def read_state(
     NOTE [ logical workers ] in _workers/process_main.py)."""
     checkpoint = parse(state)
     check_fingerprint(checkpoint.fingerprint, mine, allowed)
+    saved = checkpoint.fingerprint
+    if (
+        any(saved[key] != mine.values[key] for key in ("batch_size", "dataset_length"))
+        or checkpoint.item_offset
+        or checkpoint.epoch_length is not None
+    ):
+        # an epoch part of another batch size or length (_epoch/resize.py): this
+        # loader's batch count says nothing of it
+        facts = replace(facts, batches_per_epoch=None)
     check_consistent(checkpoint, facts)
     ledgers = _expanded(checkpoint)
     logical = checkpoint.logical_workers
@@ -317,5 +332,7 @@ def read_state(
         skip=checkpoint.skip,
         logical=logical,
         in_order=checkpoint.in_order,
+        item_offset=checkpoint.item_offset,
+        epoch_length=checkpoint.epoch_length,
     )
     return Restore(checkpoint, start, ledgers, None, None)

@@ -34,6 +34,13 @@ FINGERPRINT_KEYS: Final = (
 OPTIONAL_KEYS: Final = ("distributed",)
 DISTRIBUTED_FIELDS: Final = {"num_replicas": int, "rank": int, "shuffle": bool, "seed": int, "drop_last": bool}
 
+# Compared always, the value given when the checkpoint lacks the key (written before it
+# was added, when the behaviour it names did not exist). ``seed_per_sample``: each
+# sample's draws come from its own states (_rng/per_sample.py); a stream taken with it
+# is another stream, so it must not load silently into a loader without it, or back.
+DEFAULTED_KEYS: Final = {"seed_per_sample": False}
+CHECKED_KEYS: Final = FINGERPRINT_KEYS + OPTIONAL_KEYS + tuple(DEFAULTED_KEYS)
+
 # Recorded, never a mismatch: the processes do not define the stream, the logical
 # workers do, and a checkpoint resumes exactly with any num_workers (docs/elastic.md).
 # Nor does persistent_workers define the rest of an interrupted epoch (its ledger does:
@@ -50,11 +57,12 @@ class Fingerprint:
 
     def mismatches(self, saved: Mapping[str, Any], allowed: frozenset[str]) -> list[str]:
         lines = []
-        for key in FINGERPRINT_KEYS + OPTIONAL_KEYS:
+        for key in CHECKED_KEYS:
             if key in allowed or key in _ANY_VALUE or (key in OPTIONAL_KEYS and key not in saved):
                 continue
-            if saved.get(key) != self.values[key]:
-                lines.append(f"  {key}: {saved.get(key)!r} in checkpoint / {self.values[key]!r} in this loader")
+            theirs = saved.get(key, DEFAULTED_KEYS.get(key))
+            if theirs != self.values[key]:
+                lines.append(f"  {key}: {theirs!r} in checkpoint / {self.values[key]!r} in this loader")
         return lines
 
 
@@ -63,11 +71,11 @@ class Fingerprint:
 def check_fingerprint(saved: Mapping[str, Any], mine: Fingerprint, allowed: frozenset[str]) -> None:
     """Raise :class:`CheckpointMismatchError` showing both sides of each difference
     between the checkpoint's fingerprint ``saved`` and this loader's, unless allowed."""
-    unknown = allowed - set(FINGERPRINT_KEYS + OPTIONAL_KEYS)
+    unknown = allowed - set(CHECKED_KEYS)
     if unknown:
         raise ValueError(
             f"allow_mismatch names {sorted(unknown)}, which are not checked; "
-            f"the checked names are {list(FINGERPRINT_KEYS + OPTIONAL_KEYS)}"
+            f"the checked names are {list(CHECKED_KEYS)}"
         )
     lines = mine.mismatches(saved, allowed)
     if lines:
@@ -131,6 +139,7 @@ def fingerprint_of(
     batch_sampler: Any,
     persistent_workers: bool,
     generator: torch.Generator | None,
+    seed_per_sample: bool = False,
 ) -> Fingerprint:
     try:
         length: int | None = len(dataset)
@@ -152,6 +161,7 @@ def fingerprint_of(
             "persistent_workers": persistent_workers,
             "generator": "none" if generator is None else "given",
             "distributed": distributed_of(sampler),
+            "seed_per_sample": seed_per_sample,
         }
     )
 

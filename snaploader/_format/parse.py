@@ -30,7 +30,7 @@ from .checkpoint import (
     check_depth,
     check_digest,
 )
-from .fingerprint import DISTRIBUTED_FIELDS, FINGERPRINT_KEYS
+from .fingerprint import DEFAULTED_KEYS, DISTRIBUTED_FIELDS, FINGERPRINT_KEYS
 from .._errors import CheckpointFormatError
 from .._state.options import MAX_LOGICAL_WORKERS
 from .._rng.capture import RngSource, check_rng
@@ -62,6 +62,8 @@ _TOP: Final[dict[str, tuple[type, ...]]] = {
     "logical_workers": (int,),
     "skip": (int,),
     "in_order": (bool,),
+    "item_offset": (int,),
+    "epoch_length": _OPTIONAL_INT,
     "next_batches": (list,),
     "workers": (list,),
 }
@@ -93,7 +95,9 @@ _FINGERPRINT: Final[dict[str, tuple[type, ...]]] = {
     "generator": (str,),
 }
 # Fields added to a version after it was first written: their absence means this.
-_ADDED_TOP: Final[dict[str, Any]] = {"skip": 0, "in_order": True, "shared_seed": None}
+_ADDED_TOP: Final[dict[str, Any]] = {
+    "skip": 0, "in_order": True, "shared_seed": None, "item_offset": 0, "epoch_length": None,
+}
 _ADDED_LEDGER: Final[dict[str, Any]] = {"skipped": 0}
 
 # torchdata's StatefulDataLoader.state_dict() keys (single- and multi-process iterators).
@@ -203,6 +207,9 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
     rng_start = None if top["rng_start"] is None else _generator_state("loader state['rng_start']", top["rng_start"])
     rng_next = None if top["rng_next"] is None else _generator_state("loader state['rng_next']", top["rng_next"])
     _at_least("loader state['skip']", top["skip"], 0)
+    _at_least("loader state['item_offset']", top["item_offset"], 0)
+    if top["epoch_length"] is not None:
+        _at_least("loader state['epoch_length']", top["epoch_length"], 0)
     if top["sampler_epoch"] is not None:
         _at_least("loader state['sampler_epoch']", top["sampler_epoch"], 0)
     if top["shared_seed"] is not None and top["shared_seed"] not in _SEED_RANGE:
@@ -251,6 +258,8 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
         logical_workers=logical,
         skip=top["skip"],
         in_order=top["in_order"],
+        item_offset=top["item_offset"],
+        epoch_length=top["epoch_length"],
         next_batches=next_batches,
         workers=workers,
     )
@@ -267,6 +276,10 @@ def _fingerprint(value: dict[str, Any]) -> tuple[dict[str, Any], DistributedArgs
         if value[key] is not None:
             _at_least(f"{where}[{key!r}]", value[key], low)
     out = {key: value[key] for key in FINGERPRINT_KEYS}
+    for key, default in DEFAULTED_KEYS.items():  # absent: written before the key was added
+        out[key] = value.get(key, default)
+        if type(out[key]) is not type(default):
+            raise _fail(f"{where}[{key!r}]", f"is {out[key]!r:.60}; expected a {type(default).__name__} (absent: {default!r})")
     if "distributed" not in value:
         return out, None  # written before it was recorded: not compared
     shard = value["distributed"]

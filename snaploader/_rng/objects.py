@@ -309,7 +309,10 @@ class RngCensus:
     """The main process's view of the generator objects its workers captured; gives each
     warning once per loader."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_sample: bool = False) -> None:
+        """``per_sample``: seed_per_sample is on, so workers that start a generator in the
+        same state do not draw the same numbers (each sample sets its own state)."""
+        self.per_sample = per_sample
         self.found: dict[int, tuple[tuple[str, str], ...]] = {}
         self.starts: dict[str, dict[bytes, int]] = {}
         self.warned: set[str] = set()
@@ -325,7 +328,7 @@ class RngCensus:
             if other != slot:
                 shared.append(path)
                 pair = (other, slot)
-        if shared:
+        if shared and not self.per_sample:
             self._warn(
                 f"workers {pair[0]} and {pair[1]} both started with {', '.join(shared)} in "
                 "the same state, so they draw the same 'random' numbers (the same "

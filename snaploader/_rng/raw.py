@@ -21,6 +21,7 @@ _MT_WORDS: Final = 624
 _MT_BYTES: Final = (_MT_WORDS + 1) * 4  # 624 state words and a position
 _GAUSS = struct.Struct("<Bd")  # has a cached gaussian, its value
 _NO_GAUSS: Final = _GAUSS.pack(False, 0.0)
+_TWIST_NEXT: Final = struct.pack("<i", _MT_WORDS)  # a position that twists before the next draw
 
 
 # NOTE [ raw RNG access ]
@@ -40,6 +41,12 @@ class _MTAccess:
 
     def write(self, blob: bytes) -> None:
         raise NotImplementedError
+
+    def write_words(self, words: memoryview) -> None:
+        """Set the state to 624 given words (2,496 bytes), the position at "twist before
+        the next draw", no cached gaussian: as seeding leaves it, without the seeding
+        (NOTE [ cheap per-sample states ] in ``_rng/per_sample.py``)."""
+        self.write(b"".join((_TWIST_NEXT, words, _NO_GAUSS)))
 
 
 class _PyRandomSlow(_MTAccess):
@@ -84,6 +91,11 @@ class _PyRandomRaw(_MTAccess):
         self.state[:] = memoryview(blob)[:_MT_BYTES]
         has_gauss, gauss = _GAUSS.unpack_from(blob, _MT_BYTES)
         self.rng.gauss_next = gauss if has_gauss else None  # type: ignore[attr-defined]
+
+    def write_words(self, words: memoryview) -> None:
+        self.state[4:] = words
+        self.state[:4] = _TWIST_NEXT
+        self.rng.gauss_next = None  # type: ignore[attr-defined]
 
 
 class _NumpySlow(_MTAccess):
@@ -154,6 +166,11 @@ class _NumpyRaw(_MTAccess):
         has_gauss, gauss = _GAUSS.unpack_from(blob, _MT_BYTES)
         self.has_gauss.value = has_gauss
         self.gauss.value = gauss
+
+    def write_words(self, words: memoryview) -> None:
+        self.twister.keys[:] = words
+        self.twister.pos[:] = _TWIST_NEXT
+        self.has_gauss.value = 0
 
 
 def agree(fast: Any, slow: Any, draw: Any) -> bool:

@@ -83,13 +83,6 @@ def resume_from(
     return Resume(epoch_start, 0, at.produced, at.rng, new_epoch=True, final_objects=at.objects)
 
 
-def resume_slot(progress: EpochProgress, slot: int, received: Iterable[Snapshot] = ()) -> Resume:
-    """:func:`resume_after` for ``slot`` of the epoch ``progress`` describes, carrying
-    the epoch's shared seed."""
-    msg = resume_after(progress.workers[slot], received)
-    return msg if progress.shared_seed is None else replace(msg, shared_seed=progress.shared_seed)
-
-
 def resume_after(ledger: WorkerLedger, received: Iterable[Snapshot] = ()) -> Resume:
     """Where a worker must stand: after its last yielded batch or, with ``received``
     (the snapshots of batches it sent that are not yet yielded, oldest first), after
@@ -187,6 +180,12 @@ class EpochProgress:
     in_order: bool = True
     # The epoch's shared seed for an IterDataPipe dataset (_workers/datapipe.py); None otherwise.
     shared_seed: int | None = None
+    # seed_per_sample: the seed every sample of the epoch derives its states from
+    # (_rng/per_sample.py), sent with each task and resume; None when the option is off.
+    sample_seed: int | None = None
+    # An epoch part resumed with another batch size or dataset length (EpochStart's).
+    item_offset: int = 0
+    epoch_length: int | None = None
     # first_due() of the position it was computed for (the position is immutable)
     _due: tuple[Position | None, int] = field(default=(None, 0), repr=False, compare=False)
 
@@ -202,6 +201,16 @@ class EpochProgress:
         contract (``Runner.own_epoch_start``), before anything is yielded."""
         (ledger,) = self.position.workers
         self.position = replace(self.position, workers=(replace(ledger, epoch_start=snapshot, cache=[]),))
+
+    def resume(self, slot: int, received: Iterable[Snapshot] = ()) -> Resume:
+        """:func:`resume_after` for ``slot``'s ledger, with the epoch's seeds: the shared
+        seed of an IterDataPipe and the per-sample seed, when the epoch has them."""
+        msg = resume_after(self.position.workers[slot], received)
+        if self.shared_seed is not None:
+            msg = replace(msg, shared_seed=self.shared_seed)
+        if self.sample_seed is not None:
+            msg = replace(msg, seed=self.sample_seed)
+        return msg
 
     def note_digest(self, slot: int, produced: int, digest: str) -> None:
         self.received_digests[slot][produced] = digest
@@ -297,6 +306,12 @@ class EpochStart:
     # over at num_workers=0, as in torch). None: nothing to load.
     dataset_state: Any = None
     shared_seed: int | None = None  # a restore's IterDataPipe seed (rank 0's under torch.distributed)
+    # An epoch part resumed with another batch size or dataset length (_epoch/resize.py):
+    # the sampler items consumed before its batch 0, the old range's length, and the
+    # index sampler rebuilt over it (None: the loader's own).
+    item_offset: int = 0
+    epoch_length: int | None = None
+    index_sampler: Any = None
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:

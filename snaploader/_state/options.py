@@ -36,6 +36,8 @@ class Options:
     exclude_rngs: tuple[str, ...] | Callable[[str, Any], bool] = ()
     state_protocol: bool = True
     logical_workers: int = 0  # the stream's worker count for a new epoch
+    # Each sample's draws from states of (base seed, epoch, index) alone (_rng/per_sample.py).
+    seed_per_sample: bool = False
 
     @staticmethod
     def checked(
@@ -50,6 +52,7 @@ class Options:
         exclude_rngs: Iterable[str] | Callable[[str, Any], bool],
         state_protocol: bool,
         logical_workers: int | None,
+        seed_per_sample: bool,
         snapshot_every_given: bool,
     ) -> Options:
         """The record of the constructor's arguments; ``ValueError`` naming the option
@@ -94,6 +97,8 @@ class Options:
                 f"hosted by num_workers={num_workers} worker processes. Pass "
                 "logical_workers >= 1, or None for num_workers"
             )
+        if not isinstance(seed_per_sample, bool):
+            raise ValueError(f"seed_per_sample should be True or False, got {seed_per_sample!r}")
         return Options(
             snapshot_every=int(snapshot_every),
             replay=replay,
@@ -103,6 +108,7 @@ class Options:
             exclude_rngs=_checked_exclude(exclude_rngs),
             state_protocol=state_protocol,
             logical_workers=logical_workers,
+            seed_per_sample=seed_per_sample,
         )
 
     def arguments(self) -> dict[str, Any]:

@@ -54,7 +54,8 @@ class Resume:
     set the RNGs to ``final_rng`` (and the generator objects to ``final_objects``) when given. ``new_epoch`` says that ``base`` is the
     state at an epoch start, so an iterator-level state in it belongs to the last epoch.
     ``exhausted``: the worker has produced its last batch of the epoch (nothing is
-    replayed then; it answers every task with "exhausted")."""
+    replayed then; it answers every task with "exhausted"). ``seed``: the epoch's
+    per-sample seed (``seed_per_sample``), which a replayed batch is drawn with too."""
 
     base: Snapshot | None
     base_produced: int
@@ -65,6 +66,7 @@ class Resume:
     final_objects: bytes | None = None
     shared_seed: int | None = None  # the epoch's seed for an IterDataPipe (_workers/datapipe.py)
 
+    seed: int | None = None  # seed_per_sample: the epoch's per-sample seed (_rng/per_sample.py)
 
 
 def has_state_protocol(obj: Any) -> bool:

@@ -68,10 +68,13 @@ class WorkerSetup:
 @dataclass(frozen=True, slots=True)
 class Task:
     """Produce one batch. ``key`` is the global batch index (map-style) or the worker's
-    own batch count (iterable); ``indices`` are the sample indices (map-style only)."""
+    own batch count (iterable); ``indices`` are the sample indices (map-style only);
+    ``seed``: the epoch's per-sample seed (``seed_per_sample``; ``_rng/per_sample.py``),
+    None when the option is off."""
 
     key: int
     indices: Any
+    seed: int | None = None
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from typing import Callable, Final
 import cloudpickle
 
 from .._errors import WorkerCrashedError, WorkerRespawnedWarning, user_stacklevel
-from .._state.ledger import EpochProgress, resume_slot
+from .._state.ledger import EpochProgress
 from .exits import Death, doing, worker_name
 from .pool import FetchMarks, Pool, WorkerProcess, fd_budget
 from .process_main import copy_setup, fetch_mark, worker_main
@@ -389,7 +389,7 @@ class ProcessRunner(Runner):
             if self.progress is not None:
                 for slot in self.hosted[process]:
                     received = [result.snapshot for _, result in self.slots[slot].received]
-                    self._deliver(slot, resume_slot(self.progress, slot, received))
+                    self._deliver(slot, self.progress.resume(slot, received))
             for slot, pending in self._unanswered(process):
                 self._deliver(slot, pending)
             if said:

@@ -27,6 +27,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from .._errors import CheckpointFormatError
 from .._rng.objects import ObjectRngs, RngReport
+from .._rng.per_sample import Domain, SampleSeeder
 from .._format.plain import check_plain
 from .datapipe import is_iter_datapipe, seed_graph, seeded_generators, shard_graph
 from .messages import Kind, Result, Task, WorkerError, WorkerSetup
@@ -76,6 +77,7 @@ class WorkerRuntime:
         self.seed_rng: bytes | None = None  # RNG states right after seeding
         self.objects = ObjectRngs([], [])  # generator objects the worker's code holds
         self.objects_now: tuple[bytes | None, RngReport | None] = (None, None)  # as of the last snapshot
+        self._seeder: SampleSeeder | None = None  # seed_per_sample, over ``objects``
 
     # -- start-up and positioning -------------------------------------------------
 
@@ -120,6 +122,7 @@ class WorkerRuntime:
                  ("worker_init_fn", setup.worker_init_fn)]
         if self.iterator is not None:
             roots.append(("iterator", self.iterator))
+        self._seeder = None
         try:
             self.objects = ObjectRngs.find(
                 roots, setup.options.rng_objects, setup.options.exclude_rngs, seeded_generators(self.dataset)
@@ -127,6 +130,12 @@ class WorkerRuntime:
         except Exception as exc:  # rng_objects() or an exclude_rngs predicate raised
             self.objects = ObjectRngs([], [])
             self.pending_error = self.pending_error or WorkerError.capture(exc)
+
+    @property
+    def seeder(self) -> SampleSeeder:
+        if self._seeder is None:
+            self._seeder = SampleSeeder(self.objects)
+        return self._seeder
 
     def _restore_rng(self, state: RngState) -> None:
         # The main process checked a checkpoint's states and replayed their twist codes
@@ -195,7 +204,7 @@ class WorkerRuntime:
         if self.setup.iterable:
             target = self.produced + msg.replay
             while self.produced < target and not self.exhausted:
-                self._replay_one()
+                self._replay_one(msg.seed)
             if self.produced < target:
                 # A checkpoint of this data never claims more batches than the iterator
                 # gives; stop here rather than loop on, and say so when the batch is due.
@@ -214,9 +223,9 @@ class WorkerRuntime:
         if msg.exhausted:
             self.exhausted = True
 
-    def _replay_one(self) -> None:
+    def _replay_one(self, seed: int | None) -> None:
         try:
-            self._fetch_iterable()
+            self._fetch_iterable(seed)
         except StopIteration:
             self.exhausted = True
         except Exception:  # the original run raised here too and went on
@@ -235,9 +244,9 @@ class WorkerRuntime:
         else:
             try:
                 if self.setup.iterable:
-                    payload = self._fetch_iterable()
+                    payload = self._fetch_iterable(task.seed)
                 else:
-                    payload = self._fetch_map(task.indices)
+                    payload = self._fetch_map(task.indices, task.seed, task.key)
             except StopIteration as exc:
                 if self.setup.iterable:
                     self.exhausted = True
@@ -261,8 +270,10 @@ class WorkerRuntime:
         digest = batch_digest(payload) if self.setup.digests and kind is Kind.BATCH else None
         return Result(task.key, kind, payload, snapshot, digest)
 
-    def _fetch_map(self, indices: Any) -> Any:
+    def _fetch_map(self, indices: Any, seed: int | None, key: int) -> Any:
         setup = self.setup
+        if seed is not None:
+            return self._fetch_map_seeded(indices, seed, key)
         if not setup.auto_collation:
             return setup.collate_fn(self.dataset[indices])
         getitems = getattr(self.dataset, "__getitems__", None)
@@ -272,18 +283,45 @@ class WorkerRuntime:
             data = [self.dataset[i] for i in indices]
         return setup.collate_fn(data)
 
-    def _fetch_iterable(self) -> Any:
+    def _fetch_map_seeded(self, indices: Any, seed: int, key: int) -> Any:
+        # seed_per_sample: each sample's draws from its own states, and collate_fn's
+        # from the batch's (_rng/per_sample.py). A __getitems__ gets one index a call:
+        # nothing can reset the generators between the items of one call.
+        setup, seeder = self.setup, self.seeder
+        single = not setup.auto_collation
+        batch = [indices] if single else list(indices)
+        getitems = None if single else getattr(self.dataset, "__getitems__", None)
+        data = []
+        for index, row in zip(batch, seeder.states(seed, Domain.SAMPLE, batch)):
+            seeder.put(row)
+            data.append(getitems([index])[0] if getitems else self.dataset[index])
+        seeder.put(seeder.states(seed, Domain.BATCH, [key])[0])
+        return setup.collate_fn(data[0] if single else data)
+
+    def _fetch_iterable(self, seed: int | None) -> Any:
         # Mirrors torch's _IterableDatasetFetcher exactly, drop_last included.
         if self.ended or self.iterator is None:
             raise StopIteration
         setup = self.setup
+        iterator = self.iterator
+        batch_size = (setup.batch_size or 1) if setup.auto_collation else 1
+        if seed is not None:
+            # seed_per_sample: item j of this logical worker's epoch from the states of
+            # (seed, worker, j); collate_fn's draws go on from the last item's.
+            seeder = self.seeder
+            rows = iter(seeder.states(seed, Domain.ITEM, range(self.produced * batch_size, (self.produced + 1) * batch_size), stream=self.worker_id))
+
+            def draw() -> Any:
+                seeder.put(next(rows))
+                return next(iterator)
+        else:
+            draw = iterator.__next__
         if not setup.auto_collation:
-            return setup.collate_fn(next(self.iterator))
-        batch_size = setup.batch_size or 1  # auto-collation implies a batch size
+            return setup.collate_fn(draw())
         data = []
         for _ in range(batch_size):
             try:
-                data.append(next(self.iterator))
+                data.append(draw())
             except StopIteration:
                 self.ended = True
                 break

@@ -98,6 +98,21 @@ def _build(make_loader: LoaderFactory, sampler: Sampler[int]) -> DataLoader[Any]
     return loader
 
 
+def _remainder(make_loader: LoaderFactory, source: Source, rank: int, world_size: int) -> DataLoader[Any]:
+    """The loader reading new rank ``rank``'s share of the interrupted epoch, drawing with
+    that epoch's per-sample seed when the old run used seed_per_sample."""
+    loader = _build(make_loader, RemainderSampler(share(remaining(source), source.batch_size, rank, world_size)))
+    _check_source(source, loader)
+    if loader.seed_per_sample != (source.sample_seed is not None):
+        raise CheckpointMismatchError(
+            f"seed_per_sample: {source.sample_seed is not None} in the old run's checkpoints / "
+            f"{loader.seed_per_sample} in the loader make_loader built; build it with the old "
+            "run's arguments"
+        )
+    loader._sample_seed = source.sample_seed
+    return loader
+
+
 class ReshardedLoader:
     """New rank ``rank`` of ``world_size``'s loader over an old run's checkpoints,
     made by :func:`reshard`. Iterate it as a loader and call :meth:`set_epoch` before
@@ -288,8 +303,7 @@ def reshard(
     flat, during = _unwrap(states)
     if during:
         source, state = _resume_during(during, len(states), rank, world_size)
-        loader = _build(make_loader, RemainderSampler(share(remaining(source), source.batch_size, rank, world_size)))
-        _check_source(source, loader)
+        loader = _remainder(make_loader, source, rank, world_size)
         loader.load_state_dict(state)
         return ReshardedLoader(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
@@ -321,11 +335,10 @@ def reshard(
             combine=combine, loaders=[after], epoch=_epoch_of(world),
         )
     require_in_order(world.checkpoints)
-    mine = share(remaining(world.source), world.source.batch_size, rank, world_size)
     return ReshardedLoader(
         mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
         combine=combine, loaders=[], epoch=_epoch_of(world),
-        rest=(world.source, _build(make_loader, RemainderSampler(mine))),
+        rest=(world.source, _remainder(make_loader, world.source, rank, world_size)),
     )
 
 

@@ -22,6 +22,7 @@ from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.checkpoint import Checkpoint, DistributedArgs
 from .._format.fingerprint import FINGERPRINT_KEYS
 from .._format.parse import parse
+from .._rng.per_sample import epoch_seed
 
 # The fingerprint entries that differ between the ranks of one world: the rank itself,
 # and the process count, which never defines the stream (logical workers).
@@ -42,6 +43,9 @@ class Source:
     drop_last: bool
     sampler_epoch: int | None  # None: no epoch under way (nothing is left of one)
     consumed: tuple[int, ...]  # per old rank, batches yielded or skipped this epoch
+    # seed_per_sample: the interrupted epoch's per-sample seed, which the loaders reading
+    # its rest draw with (every sample then as the old run drew it); None: option off
+    sample_seed: int | None = None
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -49,6 +53,7 @@ class Source:
             "sampler_drop_last": self.sampler_drop_last, "dataset_length": self.dataset_length,
             "batch_size": self.batch_size, "drop_last": self.drop_last,
             "sampler_epoch": self.sampler_epoch, "consumed": list(self.consumed),
+            "sample_seed": self.sample_seed,
         }
 
     @classmethod
@@ -59,8 +64,9 @@ class Source:
             "num_replicas": int, "shuffle": bool, "seed": int, "sampler_drop_last": bool,
             "dataset_length": int, "batch_size": int, "drop_last": bool,
         }
-        if not isinstance(plain, dict) or set(plain) != {*types, "sampler_epoch", "consumed"}:
-            raise CheckpointFormatError(f"{where} is not a re-partition source: it should hold {sorted({*types, 'sampler_epoch', 'consumed'})}")
+        keys = {*types, "sampler_epoch", "consumed", "sample_seed"}
+        if not isinstance(plain, dict) or set(plain) != keys:
+            raise CheckpointFormatError(f"{where} is not a re-partition source: it should hold {sorted(keys)}")
         for key, kind in types.items():
             if type(plain[key]) is not kind:
                 raise CheckpointFormatError(f"{where}[{key!r}] should be {kind.__name__}, got {plain[key]!r:.60}")
@@ -73,6 +79,9 @@ class Source:
                 raise CheckpointFormatError(f"{where}[{key!r}] is {plain[key]}; expected >= {low}")
         if not -(2**63) <= plain["seed"] < 2**63:
             raise CheckpointFormatError(f"{where}['seed'] is {plain['seed']}; torch seeds fit in 64 bits")
+        sample_seed = plain["sample_seed"]
+        if sample_seed is not None and (type(sample_seed) is not int or not 0 <= sample_seed < 2**64):
+            raise CheckpointFormatError(f"{where}['sample_seed'] should be None or an int in [0, 2**64), got {sample_seed!r:.60}")
         if not isinstance(consumed, list) or len(consumed) != plain["num_replicas"]:
             raise CheckpointFormatError(f"{where}['consumed'] should be a list of one count per old rank ({plain['num_replicas']})")
         source = cls(**{**plain, "consumed": tuple(consumed)})
@@ -200,6 +209,13 @@ def gather(states: Sequence[dict[str, Any]]) -> World:
 
 
 def _position(who: str, checkpoint: Checkpoint) -> tuple[int, bool, int]:
+    if not checkpoint.ended and (checkpoint.item_offset or checkpoint.epoch_length is not None):
+        raise _refuse(
+            who,
+            "was taken in an epoch resumed with another batch_size or dataset length, whose "
+            "batches are not the old world's; change the world size from a checkpoint "
+            "taken after that epoch",
+        )
     if checkpoint.ended and checkpoint.skip:
         raise _refuse(
             who,
@@ -246,7 +262,26 @@ def _source_of(checkpoints: list[Checkpoint]) -> Source:
         sampler_epoch=first.sampler_epoch if under_way else None,
         # an epoch that ended has yielded all its batches (check_consistent)
         consumed=tuple(_position(f"rank {r}'s checkpoint", c)[2] for r, c in enumerate(checkpoints)),
+        sample_seed=_sample_seed(checkpoints) if under_way else None,
     )
+
+
+def _sample_seed(checkpoints: Sequence[Checkpoint]) -> int | None:
+    """The per-sample seed of the interrupted epoch (seed_per_sample), the same on every
+    rank, or None when the option is off."""
+    if not checkpoints[0].fingerprint.get("seed_per_sample", False):
+        return None
+    seeds = [checkpoint.base_seed for checkpoint in checkpoints]
+    if len(set(seeds)) > 1:
+        raise ValueError(
+            f"the ranks' loaders drew different base seeds for the interrupted epoch ({seeds}): "
+            "with seed_per_sample=True a sample's draws follow the base seed, so no rank "
+            "can draw a sample as its old rank did. Give every rank's loader the same "
+            "generator seed (torch.Generator().manual_seed(seed)) to reshard exactly"
+        )
+    if seeds[0] is None:
+        raise CheckpointFormatError("the checkpoints of an epoch under way hold no base seed")
+    return epoch_seed(seeds[0], checkpoints[0].epoch)
 
 
 def _batches(items: list[Any], fingerprint: dict[str, Any]) -> list[list[Any]]:
