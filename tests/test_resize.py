@@ -118,13 +118,15 @@ def test_another_batch_size_is_refused_where_it_cannot_be_exact() -> None:
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize(("shuffle", "per_sample"), [(True, True), (False, True), (True, False)])
 def test_a_grown_dataset_finishes_the_old_epoch_then_uses_the_new_length(
-    mp_helpers: None, context: str, shuffle: bool
+    mp_helpers: None, context: str, shuffle: bool, per_sample: bool
 ) -> None:
-    reference = _rows(list(_loader(4, n=30, shuffle=shuffle)))
-    before, state = _cut(_loader(4, 2, n=30, shuffle=shuffle, multiprocessing_context=context), 3)
-    grown = _loader(4, 2, n=40, shuffle=shuffle, multiprocessing_context=context)
+    # Without per-sample seeds too: the old range's batches are the same batches, each
+    # logical worker resuming from its own snapshot.
+    reference = _rows(list(_loader(4, 2, n=30, shuffle=shuffle, per_sample=per_sample)))
+    before, state = _cut(_loader(4, 2, n=30, shuffle=shuffle, per_sample=per_sample, multiprocessing_context=context), 3)
+    grown = _loader(4, 2, n=40, shuffle=shuffle, per_sample=per_sample, multiprocessing_context=context)
     with pytest.raises(snaploader.CheckpointMismatchError, match="allow_mismatch=\\('dataset_length',\\)"):
         grown.load_state_dict(state)
     grown.load_state_dict(state, allow_mismatch=("dataset_length",))
@@ -133,7 +135,7 @@ def test_a_grown_dataset_finishes_the_old_epoch_then_uses_the_new_length(
     again = through_bytes(grown.state_dict())  # taken in the old-range epoch
     del iterator
     assert again["epoch_length"] == 30
-    last = _loader(4, 1, n=40, shuffle=shuffle)
+    last = _loader(4, 1, n=40, shuffle=shuffle, per_sample=per_sample, logical_workers=2)
     last.load_state_dict(again)
     rows = _rows(before) + _rows(middle) + _rows(list(last))
     assert len(rows) == len(reference)

@@ -35,6 +35,11 @@ from .._state.records import Resume, Snapshot, has_state_protocol
 from .._rng.capture import NativeRng, RngState, capture_rng, restore_rng
 from .selfcheck import batch_digest
 
+# Per-sample states are made this many keys at a time: one NumPy pass per few samples,
+# while the words (7.5 KB a key) stay in the cache the dataset's own work also needs.
+_SEED_CHUNK = 8
+
+
 def seed_like_torch(base_seed: int, worker_id: int) -> int:
     """Seed the three global RNGs exactly as torch seeds worker ``worker_id``."""
     seed = base_seed + worker_id
@@ -292,9 +297,11 @@ class WorkerRuntime:
         batch = [indices] if single else list(indices)
         getitems = None if single else getattr(self.dataset, "__getitems__", None)
         data = []
-        for index, row in zip(batch, seeder.states(seed, Domain.SAMPLE, batch)):
-            seeder.put(row)
-            data.append(getitems([index])[0] if getitems else self.dataset[index])
+        for at in range(0, len(batch), _SEED_CHUNK):
+            chunk = batch[at : at + _SEED_CHUNK]
+            for index, row in zip(chunk, seeder.states(seed, Domain.SAMPLE, chunk)):
+                seeder.put(row)
+                data.append(getitems([index])[0] if getitems else self.dataset[index])
         seeder.put(seeder.states(seed, Domain.BATCH, [key])[0])
         return setup.collate_fn(data[0] if single else data)
 
