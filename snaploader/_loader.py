@@ -7,7 +7,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import torch
 import torch.utils.data as torch_data
@@ -15,11 +15,11 @@ import torch.utils.data as torch_data
 from ._format.codec import build_state, copy_state, read_state
 from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
 from ._format.schema import LoaderFacts
-from ._errors import ReplayRefusedError
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.options import Options
-from ._state.ledger import EpochStart, replay_message, replay_without_protocol
+from ._state.ledger import EpochStart
+from ._state.replay import announce_replay
 from ._state.published import Publisher
 from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
@@ -38,6 +38,22 @@ class _Default(int):
 
 
 _SNAPSHOT_EVERY_DEFAULT: Final = _Default(1)
+
+
+_V = TypeVar("_V")
+
+
+class _Option(Generic[_V]):
+    """A loader attribute that reads the option of its name from ``loader.options``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, loader: Any, owner: type | None = None) -> _V:
+        return getattr(loader.options, self.name)  # type: ignore[no-any-return]
+
+    def __set__(self, loader: Any, value: Any) -> None:
+        raise AttributeError(f"{self.name} is read-only: build a new loader with {self.name}={value!r:.40}")
 
 
 class DataLoader(torch_data.DataLoader[_T_co]):
@@ -170,43 +186,17 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         # user must not be kept), so that load_state_dict() can invalidate them.
         self._iterators: weakref.WeakSet[SnapIterator] = weakref.WeakSet()
 
-    # -- the options, as attributes of their own names (docs/api.md) -------------------
+    # -- the options, as read-only attributes of their own names (docs/api.md) ----------
 
-    @property
-    def snapshot_every(self) -> int:
-        return self.options.snapshot_every
-
-    @property
-    def replay(self) -> str:
-        return self.options.replay
-
-    @property
-    def max_worker_retries(self) -> int:
-        return self.options.max_worker_retries
-
-    @property
-    def check_resume(self) -> bool:
-        return self.options.check_resume
-
-    @property
-    def rng_objects(self) -> Callable[[], Any] | None:
-        return self.options.rng_objects
-
-    @property
-    def exclude_rngs(self) -> tuple[str, ...] | Callable[[str, Any], bool]:
-        return self.options.exclude_rngs
-
-    @property
-    def state_protocol(self) -> bool:
-        return self.options.state_protocol
-
-    @property
-    def logical_workers(self) -> int:
-        return self.options.logical_workers
-
-    @property
-    def seed_per_sample(self) -> bool:
-        return self.options.seed_per_sample
+    snapshot_every: _Option[int] = _Option()
+    replay: _Option[str] = _Option()
+    max_worker_retries: _Option[int] = _Option()
+    check_resume: _Option[bool] = _Option()
+    rng_objects: _Option[Callable[[], Any] | None] = _Option()
+    exclude_rngs: _Option[tuple[str, ...] | Callable[[str, Any], bool]] = _Option()
+    state_protocol: _Option[bool] = _Option()
+    logical_workers: _Option[int] = _Option()
+    seed_per_sample: _Option[bool] = _Option()
 
     # -- iteration -------------------------------------------------------------------
 
@@ -400,16 +390,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             total = restore.start.skip + extra
             restore = replace(restore, start=replace(restore.start, skip=total))
             state = state_with_skip(state, total)
-        if self.replay == "refuse" and restore.start.restore_rng is not None:
-            # Refuse now, while the caller can still act, not at the next iter().
-            replays = [replay_without_protocol(ledger) for ledger in restore.ledgers]
-            if any(replays):
-                raise ReplayRefusedError(
-                    replay_message(
-                        self.dataset, replays, refused=True, state_protocol=self.state_protocol,
-                        lossy=self._lossy_protocol,
-                    )
-                )
+        if restore.start.restore_rng is not None:
+            announce_replay(
+                restore.ledgers, self.dataset, self.replay, state_protocol=self.state_protocol,
+                lossy=self._lossy_protocol, warn=False,
+            )
         # An iterator that went on would yield the old stream while state_dict()
         # reports the loaded one: each one raises at its next next() instead.
         for iterator in list(self._iterators):

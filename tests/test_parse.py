@@ -15,7 +15,8 @@ import pytest
 import snaploader
 from snaploader._format import checkpoint as _checkpoint
 from snaploader._format.fingerprint import FINGERPRINT_KEYS
-from snaploader._format.parse import _FINGERPRINT, parse
+from snaploader._format.checkpoint import FINGERPRINT_FIELDS
+from snaploader._format.parse import parse
 from snaploader._rng import twist as _twist
 
 from .test_rng_encoding import _as_older_checkpoint  # checkpoints as they were written with twist codes
@@ -55,7 +56,7 @@ def test_parse_gives_a_frozen_typed_checkpoint() -> None:
 
 
 def test_every_fingerprint_key_has_a_type() -> None:
-    assert set(_FINGERPRINT) == set(FINGERPRINT_KEYS)
+    assert set(FINGERPRINT_FIELDS) == set(FINGERPRINT_KEYS)
 
 
 def test_version_2_is_upgraded_in_the_parse() -> None:

@@ -31,7 +31,6 @@ from torch.utils.data._utils import pin_memory as torch_pin_memory
 
 from .._errors import (
     CheckpointFormatError,
-    ReplayRefusedError,
     WorkerCrashedError,
     length_message,
     short_indices,
@@ -39,11 +38,11 @@ from .._errors import (
 )
 from .._workers.inline_runner import InlineRunner
 from .._state.ledger import (
-    EpochProgress, EpochStart, Position, WorkerLedger, first_due, replay_message,
-    replay_without_protocol, share_count, skip_map_batches,
+    EpochProgress, EpochStart, Position, WorkerLedger, first_due, share_count, skip_map_batches,
 )
 from .dispatch import MapDispatch, by_position, pick, round_robin
 from .plan import IndexPlan, epoch_aware_part
+from .._state.replay import announce_replay
 from .._workers.datapipe import SharedSeeds, world
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
@@ -188,23 +187,12 @@ class SnapIterator:
             self.progress.set_epoch_start(own)
 
     def _warn_or_refuse_replay(self) -> None:
-        # Once per restore: only a restored epoch start has workers mid-epoch. A refusal
-        # normally comes earlier, from load_state_dict.
-        replays = [replay_without_protocol(ledger) for ledger in self.progress.workers]
-        if not any(replays):
-            return
-        mode = self.settings.options.replay
-        message = replay_message(
-            self.settings.dataset,
-            replays,
-            refused=mode == "refuse",
-            state_protocol=self.settings.options.state_protocol,
-            lossy=self.settings.lossy_protocol,
+        # Once per restore: only a restored epoch start has workers mid-epoch.
+        options = self.settings.options
+        announce_replay(
+            self.progress.workers, self.settings.dataset, options.replay,
+            state_protocol=options.state_protocol, lossy=self.settings.lossy_protocol, warn=True,
         )
-        if mode == "refuse":
-            raise ReplayRefusedError(message)
-        if mode == "warn":
-            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
     def _start_runner(self, base_seed: int) -> Runner:
         settings = self.settings

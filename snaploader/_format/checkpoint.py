@@ -42,6 +42,69 @@ MAX_DEPTH: Final = 100
 _USER_DEPTH: Final = MAX_DEPTH - 8
 
 
+# -- the plain layout, field by field (what the parse checks before decoding) -----------
+
+_OPTIONAL_INT: Final = (int, type(None))
+_OPTIONAL_STR: Final = (str, type(None))
+
+HEAD_FIELDS: Final[dict[str, tuple[type, ...]]] = {"format": (str,), "version": (int,)}
+TOP_FIELDS: Final[dict[str, tuple[type, ...]]] = {
+    "digest": (str,),
+    "fingerprint": (dict,),
+    "epoch": (int,),
+    "ended": (bool,),
+    "yielded": (int,),
+    "turn": (int,),
+    "rng_kind": (str,),
+    "rng_start": _OPTIONAL_STR,
+    "rng_next": _OPTIONAL_STR,
+    "base_seed": _OPTIONAL_INT,
+    "drew_base_seed": (bool,),
+    "shared_seed": _OPTIONAL_INT,
+    "sampler_state": (dict, type(None)),
+    "sampler_epoch": _OPTIONAL_INT,
+    "logical_workers": (int,),
+    "skip": (int,),
+    "in_order": (bool,),
+    "item_offset": (int,),
+    "epoch_length": _OPTIONAL_INT,
+    "next_batches": (list,),
+    "workers": (list,),
+}
+LEDGER_FIELDS: Final[dict[str, tuple[type, ...]]] = {
+    "worker": (int,),
+    "epoch_start": (dict, type(None)),
+    "yielded": (dict, type(None)),
+    "yielded_complete": (dict, str, type(None)),
+    "exhausted": (bool,),
+    "skipped": (int,),
+}
+SNAPSHOT_FIELDS: Final[dict[str, tuple[type, ...]]] = {
+    "rng": (str,),
+    "produced": (int,),
+    "data_owner": _OPTIONAL_STR,
+    "complete": (bool,),
+    "exhausted": (bool,),
+    "objects": (str, type(None)),
+}
+FINGERPRINT_FIELDS: Final[dict[str, tuple[type, ...]]] = {
+    "dataset_kind": (str,),
+    "dataset_length": _OPTIONAL_INT,
+    "batch_size": _OPTIONAL_INT,
+    "num_workers": (int,),
+    "drop_last": (bool,),
+    "sampler": (str,),
+    "batch_sampler": _OPTIONAL_STR,
+    "persistent_workers": (bool,),
+    "generator": (str,),
+}
+# Fields added to a version after it was first written: their absence means this.
+ADDED_TOP: Final[dict[str, Any]] = {
+    "skip": 0, "in_order": True, "shared_seed": None, "item_offset": 0, "epoch_length": None,
+}
+ADDED_LEDGER: Final[dict[str, Any]] = {"skipped": 0}
+
+
 @dataclass(frozen=True)
 class DistributedArgs:
     """torch's ``DistributedSampler`` arguments as the checkpoint recorded them."""

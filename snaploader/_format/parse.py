@@ -20,6 +20,13 @@ import torch
 
 from . import plain as _plain
 from .checkpoint import (
+    ADDED_LEDGER,
+    ADDED_TOP,
+    FINGERPRINT_FIELDS,
+    HEAD_FIELDS,
+    LEDGER_FIELDS,
+    SNAPSHOT_FIELDS,
+    TOP_FIELDS,
     FORMAT,
     READABLE_VERSIONS,
     SAME_AS_YIELDED,
@@ -39,66 +46,7 @@ from .._rng.twist import LOAD_TWISTS, code_twists
 from .._state.ledger import WorkerLedger
 from .._state.records import Snapshot
 
-_OPTIONAL_INT: Final = (int, type(None))
-_OPTIONAL_STR: Final = (str, type(None))
 _OWNERS: Final = (None, "dataset", "iterator")
-
-_HEAD: Final[dict[str, tuple[type, ...]]] = {"format": (str,), "version": (int,)}
-_TOP: Final[dict[str, tuple[type, ...]]] = {
-    "digest": (str,),
-    "fingerprint": (dict,),
-    "epoch": (int,),
-    "ended": (bool,),
-    "yielded": (int,),
-    "turn": (int,),
-    "rng_kind": (str,),
-    "rng_start": _OPTIONAL_STR,
-    "rng_next": _OPTIONAL_STR,
-    "base_seed": _OPTIONAL_INT,
-    "drew_base_seed": (bool,),
-    "shared_seed": _OPTIONAL_INT,
-    "sampler_state": (dict, type(None)),
-    "sampler_epoch": _OPTIONAL_INT,
-    "logical_workers": (int,),
-    "skip": (int,),
-    "in_order": (bool,),
-    "item_offset": (int,),
-    "epoch_length": _OPTIONAL_INT,
-    "next_batches": (list,),
-    "workers": (list,),
-}
-_LEDGER: Final[dict[str, tuple[type, ...]]] = {
-    "worker": (int,),
-    "epoch_start": (dict, type(None)),
-    "yielded": (dict, type(None)),
-    "yielded_complete": (dict, str, type(None)),
-    "exhausted": (bool,),
-    "skipped": (int,),
-}
-_SNAPSHOT: Final[dict[str, tuple[type, ...]]] = {
-    "rng": (str,),
-    "produced": (int,),
-    "data_owner": _OPTIONAL_STR,
-    "complete": (bool,),
-    "exhausted": (bool,),
-    "objects": (str, type(None)),
-}
-_FINGERPRINT: Final[dict[str, tuple[type, ...]]] = {
-    "dataset_kind": (str,),
-    "dataset_length": _OPTIONAL_INT,
-    "batch_size": _OPTIONAL_INT,
-    "num_workers": (int,),
-    "drop_last": (bool,),
-    "sampler": (str,),
-    "batch_sampler": _OPTIONAL_STR,
-    "persistent_workers": (bool,),
-    "generator": (str,),
-}
-# Fields added to a version after it was first written: their absence means this.
-_ADDED_TOP: Final[dict[str, Any]] = {
-    "skip": 0, "in_order": True, "shared_seed": None, "item_offset": 0, "epoch_length": None,
-}
-_ADDED_LEDGER: Final[dict[str, Any]] = {"skipped": 0}
 
 # torchdata's StatefulDataLoader.state_dict() keys (single- and multi-process iterators).
 _TORCHDATA_KEYS: Final = frozenset({
@@ -139,10 +87,10 @@ def _at_least(where: str, value: int, low: int) -> int:
 
 def _upgrade(state: dict[str, Any], version: int) -> dict[str, Any]:
     """``state`` as the current version writes it: what an older file lacks, filled in."""
-    out = {**_ADDED_TOP, **state}
+    out = {**ADDED_TOP, **state}
     workers = out.get("workers")
     if isinstance(workers, list):
-        out["workers"] = [{**_ADDED_LEDGER, **ledger} if isinstance(ledger, dict) else ledger for ledger in workers]
+        out["workers"] = [{**ADDED_LEDGER, **ledger} if isinstance(ledger, dict) else ledger for ledger in workers]
     if version == 2:
         # Version 2's logical worker count was the saving loader's num_workers, and each
         # ledger's index its place in the list.
@@ -171,7 +119,7 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
             "torchdata's StatefulDataLoader', says how to switch (finish the epoch, then "
             "start the next one with snaploader)"
         )
-    head = _fields("loader state", state, _HEAD)
+    head = _fields("loader state", state, HEAD_FIELDS)
     if head["format"] != FORMAT:
         raise _fail("loader state['format']", f"is {head['format']!r}, expected {FORMAT!r}")
     version = head["version"]
@@ -184,7 +132,7 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
     _fields("loader state", state, {"digest": (str,), "workers": (list,)})
     if verify_digest:
         check_digest(state)
-    top = _fields("loader state", _upgrade(state, version), _TOP)
+    top = _fields("loader state", _upgrade(state, version), TOP_FIELDS)
     fingerprint, distributed = _fingerprint(top["fingerprint"])
     epoch = _at_least("loader state['epoch']", top["epoch"], -1)
     yielded = _at_least("loader state['yielded']", top["yielded"], 0)
@@ -267,7 +215,7 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
 
 def _fingerprint(value: dict[str, Any]) -> tuple[dict[str, Any], DistributedArgs | None]:
     where = "loader state['fingerprint']"
-    _fields(where, value, {key: _FINGERPRINT[key] for key in FINGERPRINT_KEYS})
+    _fields(where, value, {key: FINGERPRINT_FIELDS[key] for key in FINGERPRINT_KEYS})
     choices = {"dataset_kind": ("map", "iterable"), "generator": ("none", "given")}
     for key, allowed in choices.items():
         if value[key] not in allowed:
@@ -366,7 +314,7 @@ def _check_epoch_start(top: dict[str, Any], fingerprint: dict[str, Any], rng_sta
 
 
 def _snapshot(where: str, value: dict[str, Any]) -> Snapshot:
-    _fields(where, value, _SNAPSHOT)
+    _fields(where, value, SNAPSHOT_FIELDS)
     if "data" not in value:
         raise _fail(where, "has no 'data' key")
     owner = value["data_owner"]
@@ -397,7 +345,7 @@ def _snapshot(where: str, value: dict[str, Any]) -> Snapshot:
 
 def _ledger(w: int, value: Any) -> WorkerLedger:
     where = f"loader state['workers'][{w}]"
-    _fields(where, value, _LEDGER)
+    _fields(where, value, LEDGER_FIELDS)
     if value["worker"] != w:
         raise _fail(f"{where}['worker']", f"is {value['worker']}; the ledger of logical worker {w} belongs at index {w}")
     skipped = _at_least(f"{where}['skipped']", value["skipped"], 0)

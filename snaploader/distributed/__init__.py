@@ -9,6 +9,7 @@ and a loader's state for ``torch.distributed.checkpoint``.
   :func:`dcp_states`).
 """
 
-from .resharded import RemainderSampler, ReshardedLoader, concat, dcp_states, reshard
+from .dcp import dcp_states
+from .resharded import RemainderSampler, ReshardedLoader, concat, reshard
 
 __all__ = ["RemainderSampler", "ReshardedLoader", "concat", "dcp_states", "reshard"]

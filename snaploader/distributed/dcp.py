@@ -18,10 +18,13 @@ exactly as it is, so ``torch.save`` users and frameworks that call it see no cha
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch.distributed as dist
+
+from .._errors import CheckpointFormatError
 
 if TYPE_CHECKING:
     from .._loader import DataLoader
@@ -68,7 +71,6 @@ class DcpState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Imported here: _errors is light, but keep this module free of import order.
-        from .._errors import CheckpointFormatError
 
         key = _rank_key()
         if not isinstance(state_dict, dict) or key not in state_dict:
@@ -91,7 +93,6 @@ class DcpState:
 def state_from_json(text: str, what: str, writer: str) -> Any:
     """The loader state that ``writer`` stored in ``what`` as JSON text;
     :class:`~snaploader.CheckpointFormatError` naming both when it is not JSON."""
-    from .._errors import CheckpointFormatError
 
     try:
         return json.loads(text)
@@ -107,3 +108,56 @@ def dcp_state(loader: DataLoader | ReshardedLoader, *, allow_mismatch: Iterable[
     is keyed by rank, so each rank saves and restores its own (see :class:`DcpState`).
     ``allow_mismatch`` is passed to :meth:`DataLoader.load_state_dict`."""
     return DcpState(loader, allow_mismatch=allow_mismatch)
+
+
+# No leading zeros: the entry read back is named by its canonical key.
+_RANK_KEY: Final = re.compile(r"rank(0|[1-9][0-9]*)_of_([1-9][0-9]*)")
+
+
+def dcp_states(checkpoint_id: str, key: str = "loader") -> list[dict[str, Any]]:
+    """Every rank's loader state in a filesystem DCP checkpoint saved with
+    ``{key: snaploader.dcp_state(loader)}``, in rank order: what :func:`reshard` takes.
+    Call it on every new rank (``dcp.load`` is collective within a process group).
+    DCP reads its metadata with pickle: the directory must be trusted as a whole
+    (docs/dcp.md); what the entries hold is checked here and by :func:`reshard`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    names = [
+        name[len(key) + 1 :]
+        for name in dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+        if name.startswith(key + ".")
+    ]
+    found = [match for name in names if (match := _RANK_KEY.fullmatch(name))]
+    sizes = {int(match.group(2)) for match in found}
+    ranks = sorted(int(match.group(1)) for match in found)
+    if len(sizes) != 1 or len(found) != len(names) or ranks != list(range(len(ranks))) or len(ranks) not in sizes:
+        raise CheckpointFormatError(
+            f"the DCP checkpoint {checkpoint_id!r} holds under {key!r} the entries {sorted(names)}, "
+            "not one 'rank<r>_of_<N>' per rank of one run; save each rank's loader with "
+            f"{{{key!r}: snaploader.dcp_state(loader)}}"
+        )
+    target: dict[str, Any] = {key: {name: "" for name in names}}
+    try:
+        dcp.load(target, checkpoint_id=checkpoint_id)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointFormatError(
+            f"the DCP checkpoint {checkpoint_id!r} cannot be read under {key!r} as snaploader's "
+            f"JSON entries ({type(exc).__name__}: {str(exc)[:200]}); save each rank's loader "
+            f"with {{{key!r}: snaploader.dcp_state(loader)}}"
+        ) from None
+    (size,) = sizes
+    return [_entry(checkpoint_id, key, f"rank{rank}_of_{size}", target[key][f"rank{rank}_of_{size}"]) for rank in range(size)]
+
+
+def _entry(checkpoint_id: str, key: str, name: str, text: Any) -> dict[str, Any]:
+    where = f"the DCP checkpoint {checkpoint_id!r}'s entry {key}.{name}"
+    if not isinstance(text, str):
+        raise CheckpointFormatError(f"{where} is a {type(text).__name__}, not the JSON text snaploader.dcp_state writes")
+    try:
+        state = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointFormatError(f"{where} is not JSON ({str(exc)[:100]}); it was not written by snaploader.dcp_state") from None
+    if not isinstance(state, dict):
+        raise CheckpointFormatError(f"{where} holds a {type(state).__name__}, not a loader state")
+    return state

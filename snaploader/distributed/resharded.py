@@ -25,8 +25,6 @@ checkpoints, so it can be resharded again (or resumed on the same M).
 from __future__ import annotations
 
 import itertools
-import json
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
@@ -39,7 +37,7 @@ from .._format.checkpoint import check_depth, sha256_of
 from .._loader import DataLoader
 from .rules import Source, World, gather, hosted, remaining, require_in_order, sampler_for, share
 
-__all__ = ["RemainderSampler", "ReshardedLoader", "concat", "dcp_states", "reshard"]
+__all__ = ["RemainderSampler", "ReshardedLoader", "concat", "reshard"]
 
 _FORMAT: Final = "snaploader.distributed"
 _VERSION: Final = 1
@@ -372,56 +370,3 @@ def _check_source(source: Source, loader: DataLoader[Any]) -> None:
             "the re-partitioned epoch was taken from loaders built differently:\n" + "\n".join(lines)
             + "\nBuild the loaders with the checkpoint's arguments to resume it"
         )
-
-
-# No leading zeros: the entry read back is named by its canonical key.
-_RANK_KEY: Final = re.compile(r"rank(0|[1-9][0-9]*)_of_([1-9][0-9]*)")
-
-
-def dcp_states(checkpoint_id: str, key: str = "loader") -> list[dict[str, Any]]:
-    """Every rank's loader state in a filesystem DCP checkpoint saved with
-    ``{key: snaploader.dcp_state(loader)}``, in rank order: what :func:`reshard` takes.
-    Call it on every new rank (``dcp.load`` is collective within a process group).
-    DCP reads its metadata with pickle: the directory must be trusted as a whole
-    (docs/dcp.md); what the entries hold is checked here and by :func:`reshard`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    names = [
-        name[len(key) + 1 :]
-        for name in dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-        if name.startswith(key + ".")
-    ]
-    found = [match for name in names if (match := _RANK_KEY.fullmatch(name))]
-    sizes = {int(match.group(2)) for match in found}
-    ranks = sorted(int(match.group(1)) for match in found)
-    if len(sizes) != 1 or len(found) != len(names) or ranks != list(range(len(ranks))) or len(ranks) not in sizes:
-        raise CheckpointFormatError(
-            f"the DCP checkpoint {checkpoint_id!r} holds under {key!r} the entries {sorted(names)}, "
-            "not one 'rank<r>_of_<N>' per rank of one run; save each rank's loader with "
-            f"{{{key!r}: snaploader.dcp_state(loader)}}"
-        )
-    target: dict[str, Any] = {key: {name: "" for name in names}}
-    try:
-        dcp.load(target, checkpoint_id=checkpoint_id)
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        raise CheckpointFormatError(
-            f"the DCP checkpoint {checkpoint_id!r} cannot be read under {key!r} as snaploader's "
-            f"JSON entries ({type(exc).__name__}: {str(exc)[:200]}); save each rank's loader "
-            f"with {{{key!r}: snaploader.dcp_state(loader)}}"
-        ) from None
-    (size,) = sizes
-    return [_entry(checkpoint_id, key, f"rank{rank}_of_{size}", target[key][f"rank{rank}_of_{size}"]) for rank in range(size)]
-
-
-def _entry(checkpoint_id: str, key: str, name: str, text: Any) -> dict[str, Any]:
-    where = f"the DCP checkpoint {checkpoint_id!r}'s entry {key}.{name}"
-    if not isinstance(text, str):
-        raise CheckpointFormatError(f"{where} is a {type(text).__name__}, not the JSON text snaploader.dcp_state writes")
-    try:
-        state = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointFormatError(f"{where} is not JSON ({str(exc)[:100]}); it was not written by snaploader.dcp_state") from None
-    if not isinstance(state, dict):
-        raise CheckpointFormatError(f"{where} holds a {type(state).__name__}, not a loader state")
-    return state
