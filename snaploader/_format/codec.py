@@ -43,9 +43,10 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    order (in_order=False): the ledgers' counts are then the position,
                    and ``yielded`` only their sum; absent in older files: True
     item_offset    sampler items consumed before the epoch's batch 0, for an epoch
-                   resumed with another batch size (_epoch/resize.py); absent: 0
+                   resumed with another batch size (_epoch/resize.py); written only
+                   when not 0 (absent: 0)
     epoch_length   the dataset length the epoch runs over when a resume changed it
-                   (_epoch/resize.py), or None: the fingerprint's; absent: None
+                   (_epoch/resize.py); written only then (absent: the fingerprint's)
     next_batches   per worker, {produced, digest} of its next batch when it had already
                    arrived (the resume self-check, _workers/selfcheck.py), or None
     workers        one ledger per logical worker (see _state/ledger.py):
@@ -176,7 +177,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         state.update(
             epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
             base_seed=None, drew_base_seed=True, shared_seed=None, sampler_state=None, sampler_epoch=None,
-            skip=0, logical_workers=logical, in_order=True, item_offset=0, epoch_length=None,
+            skip=0, logical_workers=logical, in_order=True,
         )
     else:
         position = progress.position if position is None else position
@@ -200,9 +201,13 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
             skip=position.skip,
             logical_workers=progress.logical,
             in_order=progress.in_order,
-            item_offset=progress.item_offset,
-            epoch_length=progress.epoch_length,
         )
+        # Written only in an epoch part (_epoch/resize.py): an ordinary checkpoint is
+        # unchanged, and has no such field for an edit to turn into one.
+        if progress.item_offset:
+            state["item_offset"] = progress.item_offset
+        if progress.epoch_length is not None:
+            state["epoch_length"] = progress.epoch_length
         ledgers = [_ledger_to_plain(ledger, w) for w, ledger in enumerate(position.workers)]
         next_batches = [
             None if entry is None else {"produced": entry[0], "digest": entry[1]}
