@@ -87,5 +87,5 @@ def test_a_source_survives_plain_data_and_a_bad_one_is_named() -> None:
     assert Source.from_plain(src.to_plain(), "x") == src
     with pytest.raises(CheckpointFormatError, match="state\\['reshard'\\] is not a re-partition source"):
         Source.from_plain({"num_replicas": 4}, "state['reshard']")
-    with pytest.raises(CheckpointFormatError, match="not one per old rank"):
+    with pytest.raises(CheckpointFormatError, match=r"\[.consumed.\] should be a list of one count per old rank"):
         Source.from_plain({**src.to_plain(), "consumed": [1, 2]}, "x")

@@ -53,7 +53,7 @@ def _snapshot_child(conn: Any, name: str, batch_size: int, compute_rounds: int, 
         for k in range(1, _SNAPSHOT_BATCHES + 1):
             indices = list(range(k * batch_size, (k + 1) * batch_size))
             t0 = time.perf_counter()
-            runtime._fetch_map(indices)
+            runtime._fetch_map(indices, None, k)  # no per-sample seed: the ordinary fetch
             t1 = time.perf_counter()
             runtime.snapshot()
             t2 = time.perf_counter()
