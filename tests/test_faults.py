@@ -414,7 +414,7 @@ def test_a_worker_that_dies_at_every_start_ends_in_an_error_and_resumes_at_the_n
     assert "out-of-memory killer" in message
     assert "3 times in a row without producing a batch" in message
     assert "max_worker_retries=2" in message
-    assert "state_dict() resumes at the next batch" in message
+    assert "state_dict() still resumes at this batch" in message
     assert len(respawn_warnings(caught)) == 2
     assert_same_batches(got, want[:1])  # worker 0's batch 0; batch 1 was worker 1's
     state = loader.state_dict()

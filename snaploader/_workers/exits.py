@@ -123,7 +123,7 @@ class Death:
         return (
             f"{self._head()}, {times} times in a row without producing a batch; gave up after "
             f"{times - 1} respawn(s) (at most max_worker_retries + 1 deaths of a process between "
-            f"two of its results, max_worker_retries={retries}). state_dict() resumes at the next batch"
+            f"two of its results, max_worker_retries={retries}). state_dict() still resumes at this batch"
         )
 
     def poison(self, times: int, retries: int) -> str:
