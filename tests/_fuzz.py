@@ -270,7 +270,11 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     # one is a skip asked for, and changes the stream as documented.
     # A re-signed reordering of the whole ledger list is as coherent as a real state when
     # the counts allow it (ledgers carry no worker index yet): the digest's to catch.
-    users = "data" in path or path[:2] == ("sampler_state", "state") or path in (("skip",), ("workers",))
+    # The sampler's epoch is what set_epoch() gave a DistributedSampler, and the
+    # checkpoint's wins at resume (docs/quickstart.md, DDP): a re-signed one is an epoch
+    # asked for, drawn as asked; no check can tell it from the true one, since no index
+    # of the permutation is stored. The digest's to catch too.
+    users = "data" in path or path[:2] == ("sampler_state", "state") or path in (("skip",), ("workers",), ("sampler_epoch",))
     rng_words = path[-1] in ("rng", "rng_start", "rng_next") or _object_states_only(old_value, parent.get(key) if isinstance(parent, dict) else None)
     if not users and not rng_words and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
