@@ -384,7 +384,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 "epoch. Skip from a checkpoint taken with in_order=True or at an epoch's end"
             )
         if not self._iterable and restore.start.restore_rng is not None:
-            restore = replace(restore, start=resized(restore.start, state["fingerprint"], self._fingerprint(), self._index_sampler))
+            restore = replace(restore, start=resized(restore.start, restore.checkpoint.fingerprint, mine, self._index_sampler))
         extra = skip_count(restore.start, skip, skip_to, facts.batches_per_epoch)
         if extra:
             total = restore.start.skip + extra

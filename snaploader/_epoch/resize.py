@@ -17,6 +17,7 @@ length (``allow_mismatch=("batch_size",)`` / ``("dataset_length",)``; docs/elast
 from __future__ import annotations
 
 from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
@@ -106,7 +107,7 @@ def old_range_sampler(index_sampler: Any, old_length: int, new_length: int | Non
     return BatchSampler(rebuilt, index_sampler.batch_size, index_sampler.drop_last)
 
 
-def resized(start: EpochStart, saved: dict[str, Any], mine: Fingerprint, index_sampler: Any) -> EpochStart:
+def resized(start: EpochStart, saved: Mapping[str, Any], mine: Fingerprint, index_sampler: Any) -> EpochStart:
     """The interrupted map-style epoch ``start``, from a checkpoint whose fingerprint is
     ``saved``, as a loader of fingerprint ``mine`` resumes it (the differences were
     allowed or are none)."""
