@@ -274,7 +274,11 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     # checkpoint's wins at resume (docs/quickstart.md, DDP): a re-signed one is an epoch
     # asked for, drawn as asked; no check can tell it from the true one, since no index
     # of the permutation is stored. The digest's to catch too.
-    users = "data" in path or path[:2] == ("sampler_state", "state") or path in (("skip",), ("workers",), ("sampler_epoch",))
+    # Both hold wherever a loader state sits (a ReshardedLoader's holds one under "rest").
+    users = (
+        "data" in path or path[:2] == ("sampler_state", "state") or path == ("workers",)
+        or path[-1:] in (("skip",), ("sampler_epoch",))
+    )
     rng_words = path[-1] in ("rng", "rng_start", "rng_next") or _object_states_only(old_value, parent.get(key) if isinstance(parent, dict) else None)
     if not users and not rng_words and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
