@@ -175,9 +175,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             snapshot_every_given=snapshot_every is not _SNAPSHOT_EVERY_DEFAULT,
         )
         self._rng_census = RngCensus(per_sample=seed_per_sample)
-        # Set by snaploader.distributed for the loader reading a re-partitioned epoch's
-        # rest: the interrupted epoch's per-sample seed, used instead of this loader's.
-        self._sample_seed: int | None = None
+        self._sample_seed: int | None = None  # _draw_with_sample_seed's
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._published = Publisher()  # what state_dict() reads
@@ -271,6 +269,20 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         if previous is None:
             return EpochStart(epoch=0)
         return EpochStart.after(previous, self.persistent_workers, self.logical_workers)
+
+    def _draw_with_sample_seed(self, *, sample_seed: int) -> None:
+        """Draw every sample of the epochs to come with ``sample_seed`` instead of this
+        loader's own per-sample seed. For ``snaploader.distributed``: the loader reading
+        a re-partitioned epoch's rest draws each sample as the interrupted run did
+        (``docs/elastic.md``, "Any world size, exact per sample")."""
+        if not self.seed_per_sample:
+            raise ValueError(
+                "a per-sample seed was given to a loader built with seed_per_sample=False; "
+                "build it with seed_per_sample=True"
+            )
+        if type(sample_seed) is not int or not 0 <= sample_seed < 2**64:
+            raise ValueError(f"sample_seed={sample_seed!r:.40}: expected an int in [0, 2**64)")
+        self._sample_seed = sample_seed
 
     def batches_remaining(self) -> int | None:
         """How many batches the epoch in progress still yields: ``len(loader)`` minus
