@@ -341,9 +341,9 @@ def test_concat_joins_what_default_collate_makes() -> None:
 # -- multi-process: gloo ranks on loopback ---------------------------------------------
 
 
-def _world(phase: str, size: int, old_size: int, out: Path, per_sample: bool = False) -> list[Any]:
+def _world(phase: str, size: int, old_size: int, out: Path, per_sample: bool = False, new_batch: int = 0) -> list[Any]:
     port = free_port()
-    flag = {"SNAPLOADER_TEST_PER_SAMPLE": "1" if per_sample else "0"}
+    flag = {"SNAPLOADER_TEST_PER_SAMPLE": "1" if per_sample else "0", "SNAPLOADER_TEST_NEW_BATCH": str(new_batch)}
     children = [
         subprocess.Popen(
             [sys.executable, "-m", "tests._world_child", phase, str(rank), str(size), str(old_size), str(port), str(out)],
@@ -361,7 +361,8 @@ def _world(phase: str, size: int, old_size: int, out: Path, per_sample: bool = F
                 child.communicate()
     for rank, (child, log) in enumerate(zip(children, logs)):
         assert child.returncode == 0, f"rank {rank} of the {phase} run on {size} ranks failed:\n{log[-4000:]}"
-    return [torch.load(out / f"{phase}{size}_{rank}.pt", weights_only=True) for rank in range(size)]
+    suffix = f"_b{new_batch}" if new_batch else ""
+    return [torch.load(out / f"{phase}{size}{suffix}_{rank}.pt", weights_only=True) for rank in range(size)]
 
 
 @pytest.fixture(scope="module")
@@ -651,6 +652,43 @@ def test_four_gloo_ranks_on_three_match_sample_for_sample_with_per_sample_seeds(
     out, saved = four_ranks_per_sample
     resumed = _world("load", 3, 4, out, per_sample=True)
     _check_repartitioned(saved, resumed)
+    expected = {i: row for r in saved for i, row in _samples(r["rest"]).items()}
+    got = {i: row for r in resumed for i, row in _samples(r["rest"]).items()}
+    assert got and set(got) <= set(expected)
+    for index, row in got.items():
+        assert torch.equal(row, expected[index]), f"sample {index} differs"
+
+
+def _check_new_batch(saved: list[Any], resumed: list[Any], new_batch: int) -> None:
+    """The rest of the epoch dealt in batches of ``new_batch`` from the old run's pool, in
+    its order, none lost or repeated; the next epoch a plain 3-rank loader of that size."""
+    _check_repartitioned(saved, resumed)
+    pool = _old_order(OldRun([], [r["consumed"] for r in saved], [r["rest"] for r in saved], []))
+    assert _dealt_order([r["rest"] for r in resumed]) == pool
+    sizes = [len(batch) for r in resumed for batch in r["rest"]]
+    assert sizes.count(new_batch) >= len(sizes) - 1, sizes
+    for rank, r in enumerate(resumed):
+        sampler = DistributedSampler(Augmented(62), num_replicas=len(resumed), rank=rank, shuffle=True, seed=7)
+        sampler.set_epoch(2)  # tests/_world_child.py's interrupted epoch is 1
+        assert _ids([r["following"]]) == list(sampler)
+        assert {len(batch) for batch in r["following"][:-1]} == {new_batch}
+
+
+@pytest.mark.integration
+def test_four_gloo_ranks_on_three_with_a_new_per_rank_batch_lose_and_repeat_nothing(
+    four_ranks: tuple[Path, list[Any]],
+) -> None:
+    out, saved = four_ranks
+    _check_new_batch(saved, _world("load", 3, 4, out, new_batch=5), 5)
+
+
+@pytest.mark.integration
+def test_four_gloo_ranks_on_three_with_a_new_per_rank_batch_match_sample_for_sample(
+    four_ranks_per_sample: tuple[Path, list[Any]],
+) -> None:
+    out, saved = four_ranks_per_sample
+    resumed = _world("load", 3, 4, out, per_sample=True, new_batch=5)
+    _check_new_batch(saved, resumed, 5)
     expected = {i: row for r in saved for i, row in _samples(r["rest"]).items()}
     got = {i: row for r in resumed for i, row in _samples(r["rest"]).items()}
     assert got and set(got) <= set(expected)
