@@ -456,6 +456,8 @@ def test_a_resigned_fingerprint_edit_is_a_named_error_when_repartitioning(edit: 
         ("seed", 2**70, r"\['seed'\] is .*64 bits"),
         ("batch_size", 0, r"\['batch_size'\] is 0; expected >= 1"),
         ("dataset_length", None, r"\['dataset_length'\] should be int"),
+        ("new_batch_size", 0, r"\['new_batch_size'\] should be None or an int >= 1"),
+        ("new_batch_size", 4, r"batch_size: 4 in checkpoint / 3 in this loader"),
     ],
 )
 def test_a_resigned_edit_of_a_repartitioned_epoch_is_refused(key: str, value: Any, error: str) -> None:
@@ -607,6 +609,12 @@ def test_a_new_per_rank_batch_needs_the_option_and_changes_nothing_else() -> Non
             reshard(old.states, _factory(40), rank=0, world_size=2, allow_mismatch=bad)
     with pytest.raises(snaploader.CheckpointMismatchError, match="build it with batch_size="):
         reshard(old.states, _factory(40, batch_size=None), rank=0, world_size=3, allow_mismatch=("batch_size",))  # type: ignore[arg-type]
+    # a re-signed position past a rank's epoch, which a loader of another batch size cannot tell
+    edited = json.loads(json.dumps(old.states))
+    edited[1]["yielded"] = edited[1]["workers"][0]["yielded"]["produced"] = 5
+    with pytest.raises(snaploader.CheckpointFormatError, match=r"rank 1's checkpoint: .*'yielded'\] is 5 for an epoch of 4 batches of 3"):
+        reshard([*edited[:1], resign(edited[1]), *edited[2:]], _factory(40, batch_size=5), rank=0, world_size=3,
+                allow_mismatch=("batch_size",))
     # the same batch size: the option changes nothing, hosting still keeps the global batches
     kept = [reshard(old.states, _factory(40), rank=j, world_size=2, allow_mismatch=("batch_size",)) for j in range(2)]
     assert [loader.mode for loader in kept] == ["hosting", "hosting"]
