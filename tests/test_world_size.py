@@ -621,6 +621,22 @@ def test_a_new_per_rank_batch_needs_the_option_and_changes_nothing_else() -> Non
     assert_same_stream(_global([list(loader) for loader in kept]), _global(old.rest), "hosting with the option given")
 
 
+def test_a_new_per_rank_batch_between_epochs_starts_a_plain_loader_of_that_size() -> None:
+    ended = []
+    for rank in range(4):
+        sampler = DistributedSampler(Augmented(24), num_replicas=4, rank=rank, shuffle=True, seed=5)
+        loader = _factory(24)(sampler)
+        sampler.set_epoch(_EPOCH)
+        list(loader)
+        ended.append(loader.state_dict())
+    loader = reshard(ended, _factory(24, batch_size=4), rank=1, world_size=2, allow_mismatch=("batch_size",))
+    assert loader.mode == "repartition" and loader.epoch == _EPOCH + 1 and loader.loaders[0].batch_size == 4
+    sampler = DistributedSampler(Augmented(24), num_replicas=2, rank=1, shuffle=True, seed=5)
+    sampler.set_epoch(_EPOCH + 1)
+    batches = list(loader)
+    assert _ids([batches]) == list(sampler) and [len(batch) for batch in batches] == [4, 4, 4]
+
+
 def test_a_state_taken_in_an_epoch_dealt_in_a_new_batch_resumes_on_its_world_size() -> None:
     old = _old_run(_factory(48, 3, per_sample=True), 48, 4, cut=1)
     make_new = _factory(48, 5, per_sample=True)
