@@ -18,13 +18,13 @@ from ._format.schema import LoaderFacts
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.options import Options
-from ._state.ledger import EpochStart
+from ._state.ledger import EpochProgress, EpochStart
 from ._state.replay import announce_replay
 from ._state.published import Publisher
 from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
 from ._epoch.plan import stateful_part
-from ._epoch.resize import resized
+from ._epoch.resize import part_batches, resized
 from ._state.records import has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count, state_with_skip
@@ -175,9 +175,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             snapshot_every_given=snapshot_every is not _SNAPSHOT_EVERY_DEFAULT,
         )
         self._rng_census = RngCensus(per_sample=seed_per_sample)
-        # Set by snaploader.distributed for the loader reading a re-partitioned epoch's
-        # rest: the interrupted epoch's per-sample seed, used instead of this loader's.
-        self._sample_seed: int | None = None
+        self._sample_seed: int | None = None  # _draw_with_sample_seed's
         self._iterable = isinstance(self.dataset, torch_data.IterableDataset)
         self._pending: EpochStart | None = None
         self._published = Publisher()  # what state_dict() reads
@@ -272,33 +270,36 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             return EpochStart(epoch=0)
         return EpochStart.after(previous, self.persistent_workers, self.logical_workers)
 
+    def _draw_with_sample_seed(self, *, sample_seed: int) -> None:
+        """For ``snaploader.distributed``: draw every sample with ``sample_seed`` (the
+        epoch a re-partitioned loader reads the rest of) instead of this loader's own."""
+        if not self.seed_per_sample or type(sample_seed) is not int or not 0 <= sample_seed < 2**64:
+            raise ValueError(f"sample_seed={sample_seed!r:.40}: expected an int in [0, 2**64), for a loader with seed_per_sample=True")
+        self._sample_seed = sample_seed
+
     def batches_remaining(self) -> int | None:
         """How many batches the epoch in progress still yields: ``len(loader)`` minus
         those already yielded (or skipped). After :meth:`load_state_dict`, what the next
         ``iter()`` yields (a checkpoint taken after an epoch ended: the whole next epoch);
-        before the first epoch or after one ended, ``len(loader)``. None when the
+        before the first epoch or after one ended, ``len(loader)``. An epoch resumed with
+        another batch size or dataset length counts its own batches. None when the
         epoch's length is not known: an iterable dataset, or a sampler without
         ``len()``. For a progress bar or an LR schedule after a restore, where
         ``len(loader)`` is still the whole epoch."""
-        total = self._epoch_length()
-        if total is None:
-            return None
-        if self._pending is not None:
-            done = self._pending.yielded + self._pending.skip
-        elif (progress := self._published.progress) is None or progress.ended:
-            done = 0
-        else:
-            done = progress.yielded
-        return max(0, total - done)
+        part: EpochStart | EpochProgress | None = self._pending
+        done = 0 if self._pending is None else self._pending.yielded + self._pending.skip
+        if part is None and (progress := self._published.progress) is not None and not progress.ended:
+            part, done = progress, progress.yielded
+        total = self._epoch_length(part)
+        return None if total is None else max(0, total - done)
 
-    def _epoch_length(self) -> int | None:
-        """Batches in an epoch, when known: map-style with a sized sampler."""
+    def _epoch_length(self, part: EpochStart | EpochProgress | None = None) -> int | None:
+        """Batches in an epoch, or in the epoch part ``part`` describes (resumed with
+        another batch size or dataset length), when known: map-style, a sized sampler."""
         if self._iterable:
             return None
-        try:
-            return len(self._index_sampler)  # type: ignore[arg-type]
-        except TypeError:
-            return None  # a sampler without __len__
+        offset, length = (0, None) if part is None else (part.item_offset, part.epoch_length)
+        return part_batches(self._index_sampler, offset, length)
 
     def captured_rngs(self) -> list[tuple[str, str]]:
         """The generator objects whose states checkpoints carry, as (path, kind) pairs,
@@ -385,7 +386,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             )
         if not self._iterable and restore.start.restore_rng is not None:
             restore = replace(restore, start=resized(restore.start, restore.checkpoint.fingerprint, mine, self._index_sampler))
-        extra = skip_count(restore.start, skip, skip_to, facts.batches_per_epoch)
+        extra = skip_count(restore.start, skip, skip_to, self._epoch_length(restore.start))
         if extra:
             total = restore.start.skip + extra
             restore = replace(restore, start=replace(restore.start, skip=total))

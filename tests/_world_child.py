@@ -12,9 +12,13 @@
   (``snaploader.dcp_state``, then ``snaploader.distributed.dcp_states`` on the new ranks).
 
 With ``SNAPLOADER_TEST_PER_SAMPLE=1`` in the environment the loaders are built with
-``seed_per_sample=True``. The dataset draws "augmentations" from the workers' RNGs (num_workers=2), and 62
-samples on 4 ranks make DistributedSampler pad 2 repeats. Each rank writes
-``OUT/<PHASE><SIZE>_<RANK>.pt``: {consumed, rest, following}, lists of batches.
+``seed_per_sample=True``; with ``SNAPLOADER_TEST_NEW_BATCH=B`` the new ranks' loaders
+have a per-rank batch of B (``reshard(..., allow_mismatch=("batch_size",))``) and a
+generator seed of their own (2; the old ones': batch 3, seed 1). The dataset draws
+"augmentations" from the workers' RNGs (num_workers=2), and 62 samples on 4 ranks make
+DistributedSampler pad 2 repeats. Each rank writes
+``OUT/<PHASE><SIZE>_<RANK>.pt`` (``..._b<B>_<RANK>.pt`` with a new batch): {consumed,
+rest, following}, lists of batches.
 """
 
 from __future__ import annotations
@@ -38,11 +42,18 @@ _EPOCH = 1
 _CUT = 2
 
 
-def make_loader(sampler: Any) -> snaploader.DataLoader[Any]:
+_NEW_BATCH = int(os.environ.get("SNAPLOADER_TEST_NEW_BATCH", "0"))
+
+
+def make_loader(sampler: Any, batch_size: int = 3, seed: int = 1) -> snaploader.DataLoader[Any]:
     return snaploader.DataLoader(
-        Augmented(_N), batch_size=3, sampler=sampler, num_workers=2, generator=torch.Generator().manual_seed(1),
+        Augmented(_N), batch_size=batch_size, sampler=sampler, num_workers=2, generator=torch.Generator().manual_seed(seed),
         seed_per_sample=os.environ.get("SNAPLOADER_TEST_PER_SAMPLE") == "1",
     )
+
+
+def make_new_loader(sampler: Any) -> snaploader.DataLoader[Any]:
+    return make_loader(sampler, _NEW_BATCH, seed=2)
 
 
 def main(phase: str, rank: int, size: int, old_size: int, port: int, out: Path) -> None:
@@ -64,14 +75,19 @@ def main(phase: str, rank: int, size: int, old_size: int, port: int, out: Path) 
                 states = snaploader.distributed.dcp_states(str(out / "dcp"))
             else:
                 states = [torch.load(out / f"state{r}.pt", weights_only=True) for r in range(old_size)]
-            loader = snaploader.distributed.reshard(states, make_loader, rank=dist.get_rank(), world_size=dist.get_world_size())
+            new_batch = {"allow_mismatch": ("batch_size",)} if _NEW_BATCH else {}
+            loader = snaploader.distributed.reshard(
+                states, make_new_loader if _NEW_BATCH else make_loader, rank=dist.get_rank(),
+                world_size=dist.get_world_size(), **new_batch,
+            )
             assert loader.epoch == _EPOCH, loader.epoch
             loader.set_epoch(_EPOCH)
             rest = list(loader)
         (loader if phase == "load" else loader.sampler).set_epoch(_EPOCH + 1)
         following = list(loader)
         dist.barrier()
-        torch.save({"consumed": consumed, "rest": rest, "following": following}, out / f"{phase}{size}_{rank}.pt")
+        name = f"{phase}{size}{f'_b{_NEW_BATCH}' if _NEW_BATCH else ''}_{rank}.pt"
+        torch.save({"consumed": consumed, "rest": rest, "following": following}, out / name)
     finally:
         dist.destroy_process_group()
 

@@ -122,3 +122,70 @@ def test_unknown_for_iterable_datasets_and_unsized_samplers(num_workers: int) ->
     unsized = snaploader.DataLoader(Range(N_ITEMS), batch_size=4, sampler=_Unsized(), num_workers=num_workers)
     assert unsized.batches_remaining() is None
     assert len(list(unsized)) == 6
+
+
+def _count_down(loader: snaploader.DataLoader) -> tuple[int | None, list[int | None], int]:
+    """The count before the next epoch, the counts after each of its batches, and how
+    many batches it actually yields."""
+    before, after, yielded = loader.batches_remaining(), [], 0
+    for _ in loader:
+        yielded += 1
+        after.append(loader.batches_remaining())
+    return before, after, yielded
+
+
+# 22 items: 4 -> 6 and 6 -> 4 leave a short last batch of the new size, which drop_last
+# drops; 4 -> 4 is the same topology.
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(("old", "new"), [(4, 4), (4, 6), (6, 4)])
+def test_a_resume_into_another_batch_size_counts_the_new_batches(old: int, new: int, drop_last: bool) -> None:
+    original = snaploader.DataLoader(Range(N_ITEMS), batch_size=old, shuffle=True, num_workers=2,
+                                     drop_last=drop_last, generator=generator(3))
+    it = iter(original)
+    take(it, 2)
+    state = through_bytes(original.state_dict())
+    del it
+    resumed = snaploader.DataLoader(Range(N_ITEMS), batch_size=new, shuffle=True, num_workers=1,
+                                    drop_last=drop_last, generator=generator(3))
+    resumed.load_state_dict(state, allow_mismatch=("batch_size",))
+    left = N_ITEMS - 2 * old
+    expected = left // new if drop_last else -(-left // new)
+    before, after, yielded = _count_down(resumed)
+    assert before == yielded == expected
+    assert after == list(range(expected - 1, -1, -1))
+    assert resumed.batches_remaining() == len(resumed)  # the next epoch: whole, in the new size
+    # a checkpoint taken one batch into the part counts the part too, loaded again
+    middle = snaploader.DataLoader(Range(N_ITEMS), batch_size=new, shuffle=True, drop_last=drop_last, generator=generator(3))
+    middle.load_state_dict(state, allow_mismatch=("batch_size",))
+    it = iter(middle)
+    take(it, 1)
+    again = through_bytes(middle.state_dict())
+    del it
+    last = snaploader.DataLoader(Range(N_ITEMS), batch_size=new, shuffle=True, drop_last=drop_last, generator=generator(3))
+    last.load_state_dict(again)
+    assert last.batches_remaining() == expected - 1 == len(list(last))
+    # a skip in the part is counted, and one past its end is refused
+    skipped = snaploader.DataLoader(Range(N_ITEMS), batch_size=new, shuffle=True, drop_last=drop_last, generator=generator(3))
+    with pytest.raises(ValueError, match="past the end|left"):
+        skipped.load_state_dict(state, allow_mismatch=("batch_size",), skip=expected + 1)
+    skipped.load_state_dict(state, allow_mismatch=("batch_size",), skip=1)
+    assert skipped.batches_remaining() == expected - 1 == len(list(skipped))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_grown_dataset_counts_the_old_range_then_the_new_length(drop_last: bool) -> None:
+    original = make(2, drop_last=drop_last)
+    it = iter(original)
+    take(it, 2)
+    state = through_bytes(original.state_dict())
+    del it
+    grown = snaploader.DataLoader(Range(N_ITEMS + 9), batch_size=BATCH, shuffle=True, num_workers=2,
+                                  drop_last=drop_last, generator=generator(3))
+    grown.load_state_dict(state, allow_mismatch=("dataset_length",))
+    assert len(grown) == (31 // BATCH if drop_last else -(-31 // BATCH))  # the whole epoch: the new length
+    per_old_epoch = 5 if drop_last else 6
+    before, after, yielded = _count_down(grown)
+    assert before == yielded == per_old_epoch - 2
+    assert after == list(range(yielded - 1, -1, -1))
+    before, after, yielded = _count_down(grown)  # the next epoch, over the new length
+    assert before == yielded == len(grown) and after[-1] == 0

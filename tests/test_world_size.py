@@ -7,6 +7,7 @@ run the old and new worlds as gloo ranks on loopback (``tests/_world_child.py``)
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -340,9 +341,9 @@ def test_concat_joins_what_default_collate_makes() -> None:
 # -- multi-process: gloo ranks on loopback ---------------------------------------------
 
 
-def _world(phase: str, size: int, old_size: int, out: Path, per_sample: bool = False) -> list[Any]:
+def _world(phase: str, size: int, old_size: int, out: Path, per_sample: bool = False, new_batch: int = 0) -> list[Any]:
     port = free_port()
-    flag = {"SNAPLOADER_TEST_PER_SAMPLE": "1" if per_sample else "0"}
+    flag = {"SNAPLOADER_TEST_PER_SAMPLE": "1" if per_sample else "0", "SNAPLOADER_TEST_NEW_BATCH": str(new_batch)}
     children = [
         subprocess.Popen(
             [sys.executable, "-m", "tests._world_child", phase, str(rank), str(size), str(old_size), str(port), str(out)],
@@ -360,7 +361,8 @@ def _world(phase: str, size: int, old_size: int, out: Path, per_sample: bool = F
                 child.communicate()
     for rank, (child, log) in enumerate(zip(children, logs)):
         assert child.returncode == 0, f"rank {rank} of the {phase} run on {size} ranks failed:\n{log[-4000:]}"
-    return [torch.load(out / f"{phase}{size}_{rank}.pt", weights_only=True) for rank in range(size)]
+    suffix = f"_b{new_batch}" if new_batch else ""
+    return [torch.load(out / f"{phase}{size}{suffix}_{rank}.pt", weights_only=True) for rank in range(size)]
 
 
 @pytest.fixture(scope="module")
@@ -454,6 +456,8 @@ def test_a_resigned_fingerprint_edit_is_a_named_error_when_repartitioning(edit: 
         ("seed", 2**70, r"\['seed'\] is .*64 bits"),
         ("batch_size", 0, r"\['batch_size'\] is 0; expected >= 1"),
         ("dataset_length", None, r"\['dataset_length'\] should be int"),
+        ("new_batch_size", 0, r"\['new_batch_size'\] should be None or an int >= 1"),
+        ("new_batch_size", 4, r"batch_size: 4 in checkpoint / 3 in this loader"),
     ],
 )
 def test_a_resigned_edit_of_a_repartitioned_epoch_is_refused(key: str, value: Any, error: str) -> None:
@@ -524,6 +528,141 @@ def test_per_sample_seeds_need_one_generator_seed_on_every_rank() -> None:
         reshard(same, _factory(31), rank=0, world_size=3)
 
 
+# -- a new per-rank batch size (reshard(..., allow_mismatch=("batch_size",))) -----------
+
+
+def _old_order(run: OldRun) -> list[int]:
+    """The samples the old run still yielded after the cut, in its global order (step by
+    step, rank by rank), DistributedSampler's padding repeats (later copies) left out."""
+    seen = set(_ids(run.consumed))
+    order = []
+    for step in itertools.zip_longest(*run.rest, fillvalue=None):
+        for batch in step:
+            for i in ([] if batch is None else batch[:, 0].tolist()):
+                if int(i) not in seen:
+                    seen.add(int(i))
+                    order.append(int(i))
+    return order
+
+
+def _dealt_order(per_rank: list[list[torch.Tensor]]) -> list[int]:
+    """The new ranks' samples in the new global order: step by step, rank by rank."""
+    steps = itertools.zip_longest(*per_rank, fillvalue=None)
+    return [int(i) for step in steps for batch in step if batch is not None for i in batch[:, 0].tolist()]
+
+
+@pytest.mark.parametrize(
+    ("n", "old_size", "new_size", "old_batch", "new_batch", "drop_last", "per_sample"),
+    [
+        (48, 4, 3, 3, 5, False, True),
+        (48, 4, 3, 6, 4, False, False),
+        (48, 4, 2, 4, 6, False, True),  # M divides N: re-partitioned too
+        (48, 4, 4, 6, 4, True, True),  # the same world size, a new batch
+        (50, 2, 3, 4, 6, True, True),  # drop_last drops the old and the new short batches
+        (38, 4, 3, 4, 6, False, True),  # DistributedSampler pads 2 repeats
+    ],
+)
+def test_a_new_per_rank_batch_deals_the_rest_of_the_epoch_in_batches_of_that_size(
+    n: int, old_size: int, new_size: int, old_batch: int, new_batch: int, drop_last: bool, per_sample: bool
+) -> None:
+    old = _old_run(_factory(n, old_batch, drop_last, per_sample=per_sample), n, old_size, cut=1)
+    # another generator seed: the rest is drawn with the interrupted epoch's seed anyway
+    make_new = _factory(n, new_batch, drop_last, num_workers=1, per_sample=per_sample, seed=2)
+    with pytest.raises(snaploader.CheckpointMismatchError, match=r"batch_size: .* allow_mismatch=\('batch_size',\)"):
+        reshard(old.states, make_new, rank=0, world_size=new_size)
+    rest, following = [], []
+    for rank in range(new_size):
+        loader = reshard(old.states, make_new, rank=rank, world_size=new_size, allow_mismatch=("batch_size",))
+        assert loader.mode == "repartition" and loader.epoch == _EPOCH
+        loader.set_epoch(_EPOCH)
+        rest.append(list(loader))
+        loader.set_epoch(_EPOCH + 1)
+        following.append(list(loader))
+    pool = _old_order(old)
+    # the pool in the old run's order, cut into batches of the new size, dealt round-robin
+    assert _dealt_order(rest) == pool[: len(pool) // new_batch * new_batch if drop_last else None]
+    sizes = [len(batch) for batches in rest for batch in batches]
+    assert sizes.count(new_batch) >= len(sizes) - 1 and (not drop_last or set(sizes) == {new_batch}), sizes
+    assert max(map(len, rest)) - min(map(len, rest)) <= 1
+    if per_sample:
+        before = {i: row for batches in old.rest for i, row in _samples(batches).items()}
+        for batches in rest:
+            for index, row in _samples(batches).items():
+                assert torch.equal(row, before[index]), f"sample {index} differs"
+    for rank, batches in enumerate(following):  # the next epoch: a plain M-rank loader
+        sampler = DistributedSampler(Augmented(n), num_replicas=new_size, rank=rank, shuffle=True, seed=5)
+        sampler.set_epoch(_EPOCH + 1)
+        order = list(sampler)
+        assert _ids([batches]) == order[: len(order) // new_batch * new_batch if drop_last else None]
+        assert {len(batch) for batch in batches[:-1]} <= {new_batch}
+
+
+def test_a_new_per_rank_batch_needs_the_option_and_changes_nothing_else() -> None:
+    old = _old_run(_factory(40), 40, 4, cut=1)
+    for world_size in (2, 3):  # hosting and re-partition refuse alike
+        with pytest.raises(snaploader.CheckpointMismatchError) as raised:
+            reshard(old.states, _factory(40, batch_size=5), rank=0, world_size=world_size)
+        assert str(raised.value).startswith("batch_size: 3 in the old run's checkpoints / 5 in the loader")
+        assert "reshard(..., allow_mismatch=('batch_size',))" in str(raised.value)
+    for bad in (("drop_last",), "batch_size"):
+        with pytest.raises(ValueError, match="only 'batch_size' may differ"):
+            reshard(old.states, _factory(40), rank=0, world_size=2, allow_mismatch=bad)
+    with pytest.raises(snaploader.CheckpointMismatchError, match="build it with batch_size="):
+        reshard(old.states, _factory(40, batch_size=None), rank=0, world_size=3, allow_mismatch=("batch_size",))  # type: ignore[arg-type]
+    # a re-signed position past a rank's epoch, which a loader of another batch size cannot tell
+    edited = json.loads(json.dumps(old.states))
+    edited[1]["yielded"] = edited[1]["workers"][0]["yielded"]["produced"] = 5
+    with pytest.raises(snaploader.CheckpointFormatError, match=r"rank 1's checkpoint: .*'yielded'\] is 5 for an epoch of 4 batches of 3"):
+        reshard([*edited[:1], resign(edited[1]), *edited[2:]], _factory(40, batch_size=5), rank=0, world_size=3,
+                allow_mismatch=("batch_size",))
+    # the same batch size: the option changes nothing, hosting still keeps the global batches
+    kept = [reshard(old.states, _factory(40), rank=j, world_size=2, allow_mismatch=("batch_size",)) for j in range(2)]
+    assert [loader.mode for loader in kept] == ["hosting", "hosting"]
+    assert_same_stream(_global([list(loader) for loader in kept]), _global(old.rest), "hosting with the option given")
+
+
+def test_a_new_per_rank_batch_between_epochs_starts_a_plain_loader_of_that_size() -> None:
+    ended = []
+    for rank in range(4):
+        sampler = DistributedSampler(Augmented(24), num_replicas=4, rank=rank, shuffle=True, seed=5)
+        loader = _factory(24)(sampler)
+        sampler.set_epoch(_EPOCH)
+        list(loader)
+        ended.append(loader.state_dict())
+    loader = reshard(ended, _factory(24, batch_size=4), rank=1, world_size=2, allow_mismatch=("batch_size",))
+    assert loader.mode == "repartition" and loader.epoch == _EPOCH + 1 and loader.loaders[0].batch_size == 4
+    sampler = DistributedSampler(Augmented(24), num_replicas=2, rank=1, shuffle=True, seed=5)
+    sampler.set_epoch(_EPOCH + 1)
+    batches = list(loader)
+    assert _ids([batches]) == list(sampler) and [len(batch) for batch in batches] == [4, 4, 4]
+
+
+def test_a_state_taken_in_an_epoch_dealt_in_a_new_batch_resumes_on_its_world_size() -> None:
+    old = _old_run(_factory(48, 3, per_sample=True), 48, 4, cut=1)
+    make_new = _factory(48, 5, per_sample=True)
+    new = [reshard(old.states, make_new, rank=j, world_size=3, allow_mismatch=("batch_size",)) for j in range(3)]
+    iterators = [iter(loader) for loader in new]
+    taken = [take(iterator, 2) for iterator in iterators]
+    saved = [json.loads(json.dumps(through_bytes(loader.state_dict()))) for loader in new]
+    expected = [list(iterator) for iterator in iterators]
+    assert {state["rest"]["source"]["new_batch_size"] for state in saved} == {5}
+    assert {state["rest"]["source"]["batch_size"] for state in saved} == {3}
+    for rank in range(3):
+        resumed = reshard(saved, make_new, rank=rank, world_size=3)
+        assert_same_stream(list(resumed), expected[rank], f"rank {rank}")
+    assert sorted(_ids(old.consumed) + _ids(taken) + _ids(expected)) == list(range(48))
+    with pytest.raises(snaploader.CheckpointMismatchError, match=r"batch_size: 5 in checkpoint / 3 in this loader"):
+        reshard(saved, _factory(48, 3, per_sample=True), rank=0, world_size=3, allow_mismatch=("batch_size",))
+    with pytest.raises(ValueError, match=r"re-partitioned onto \[3\] rank.*world_size=2"):
+        reshard(saved, make_new, rank=0, world_size=2)
+    # a state written before new_batch_size was recorded was dealt in the old size
+    older = json.loads(json.dumps(saved))
+    for state in older:
+        del state["rest"]["source"]["new_batch_size"]
+    with pytest.raises(snaploader.CheckpointMismatchError, match=r"batch_size: 3 in checkpoint / 5 in this loader"):
+        reshard([_resigned_outer(state) for state in older], make_new, rank=0, world_size=3)
+
+
 @pytest.fixture(scope="module")
 def four_ranks_per_sample(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
     out = tmp_path_factory.mktemp("four_per_sample")
@@ -537,6 +676,43 @@ def test_four_gloo_ranks_on_three_match_sample_for_sample_with_per_sample_seeds(
     out, saved = four_ranks_per_sample
     resumed = _world("load", 3, 4, out, per_sample=True)
     _check_repartitioned(saved, resumed)
+    expected = {i: row for r in saved for i, row in _samples(r["rest"]).items()}
+    got = {i: row for r in resumed for i, row in _samples(r["rest"]).items()}
+    assert got and set(got) <= set(expected)
+    for index, row in got.items():
+        assert torch.equal(row, expected[index]), f"sample {index} differs"
+
+
+def _check_new_batch(saved: list[Any], resumed: list[Any], new_batch: int) -> None:
+    """The rest of the epoch dealt in batches of ``new_batch`` from the old run's pool, in
+    its order, none lost or repeated; the next epoch a plain 3-rank loader of that size."""
+    _check_repartitioned(saved, resumed)
+    pool = _old_order(OldRun([], [r["consumed"] for r in saved], [r["rest"] for r in saved], []))
+    assert _dealt_order([r["rest"] for r in resumed]) == pool
+    sizes = [len(batch) for r in resumed for batch in r["rest"]]
+    assert sizes.count(new_batch) >= len(sizes) - 1, sizes
+    for rank, r in enumerate(resumed):
+        sampler = DistributedSampler(Augmented(62), num_replicas=len(resumed), rank=rank, shuffle=True, seed=7)
+        sampler.set_epoch(2)  # tests/_world_child.py's interrupted epoch is 1
+        assert _ids([r["following"]]) == list(sampler)
+        assert {len(batch) for batch in r["following"][:-1]} == {new_batch}
+
+
+@pytest.mark.integration
+def test_four_gloo_ranks_on_three_with_a_new_per_rank_batch_lose_and_repeat_nothing(
+    four_ranks: tuple[Path, list[Any]],
+) -> None:
+    out, saved = four_ranks
+    _check_new_batch(saved, _world("load", 3, 4, out, new_batch=5), 5)
+
+
+@pytest.mark.integration
+def test_four_gloo_ranks_on_three_with_a_new_per_rank_batch_match_sample_for_sample(
+    four_ranks_per_sample: tuple[Path, list[Any]],
+) -> None:
+    out, saved = four_ranks_per_sample
+    resumed = _world("load", 3, 4, out, per_sample=True, new_batch=5)
+    _check_new_batch(saved, resumed, 5)
     expected = {i: row for r in saved for i, row in _samples(r["rest"]).items()}
     got = {i: row for r in resumed for i, row in _samples(r["rest"]).items()}
     assert got and set(got) <= set(expected)

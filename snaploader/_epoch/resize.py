@@ -120,3 +120,20 @@ def resized(start: EpochStart, saved: Mapping[str, Any], mine: Fingerprint, inde
             start, epoch_length=old_length, index_sampler=old_range_sampler(index_sampler, old_length, new_length)
         )
     return start
+
+
+def part_batches(index_sampler: Any, item_offset: int, epoch_length: int | None) -> int | None:
+    """The batches of a map-style epoch part whose loader batches with ``index_sampler``:
+    the sampler's items after ``item_offset`` (another batch size), over ``epoch_length``
+    indices (another dataset length; None: the loader's own). None when the sampler has
+    no length."""
+    if epoch_length is not None:
+        index_sampler = old_range_sampler(index_sampler, epoch_length, None)
+    try:
+        if not item_offset:
+            return len(index_sampler)
+        items = len(index_sampler.sampler) - item_offset
+    except TypeError:
+        return None
+    size = index_sampler.batch_size
+    return max(0, items // size if index_sampler.drop_last else -(-items // size))

@@ -5,18 +5,22 @@ size").
 Every new rank j of M calls :func:`reshard` with all N old ranks' ``state_dict()``\\ s
 (per-rank files, or the entries of a DCP checkpoint) and a function that builds its
 loader for a given sampler; it gets a :class:`ReshardedLoader`, iterated like a
-loader. Which of two cases applies is decided by N and M alone:
+loader. Which of two cases applies is decided by N and M, and by whether the loaders
+``make_loader`` builds keep the old per-rank batch size:
 
-- **hosting** (M divides N): rank j hosts the N/M logical ranks j*N/M ... (j+1)*N/M - 1,
-  one snaploader loader each, loaded with that rank's checkpoint, and yields per step
-  their batches concatenated (:func:`concat`). The new ranks' batches, concatenated in
-  rank order, are the old global batches bit for bit, in this epoch and the next ones
-  (the N-logical-rank stream goes on).
-- **re-partition** (otherwise): the samples the old run would still have yielded in
-  the interrupted epoch are pooled in its order and dealt out (``_reshard.remaining``,
-  ``_reshard.share``); rank j reads its share through a :class:`RemainderSampler`,
-  then from the next epoch a plain ``DistributedSampler`` of M replicas. No sample
-  of the epoch is lost or repeated; the augmentations drawn are not the old run's.
+- **hosting** (M divides N, the same batch size): rank j hosts the N/M logical ranks
+  j*N/M ... (j+1)*N/M - 1, one snaploader loader each, loaded with that rank's
+  checkpoint, and yields per step their batches concatenated (:func:`concat`). The new
+  ranks' batches, concatenated in rank order, are the old global batches bit for bit,
+  in this epoch and the next ones (the N-logical-rank stream goes on).
+- **re-partition** (otherwise; or a new per-rank batch size, allowed by
+  ``allow_mismatch=("batch_size",)``, whatever M: NOTE [ a new per-rank batch ]): the
+  samples the old run would still have yielded in the interrupted epoch are pooled in
+  its order and dealt out in batches of the new loaders' size (``rules.remaining``,
+  ``rules.share``); rank j reads its share through a :class:`RemainderSampler`, then
+  from the next epoch a plain ``DistributedSampler`` of M replicas. No sample of the
+  epoch is lost or repeated; the augmentations drawn are not the old run's, unless
+  the loaders draw per sample (``seed_per_sample=True``).
 
 A :class:`ReshardedLoader`'s own ``state_dict()`` is plain data holding its loaders'
 checkpoints, so it can be resharded again (or resumed on the same M).
@@ -25,6 +29,7 @@ checkpoints, so it can be resharded again (or resumed on the same M).
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
@@ -35,7 +40,10 @@ from torch.utils.data import Sampler
 from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.checkpoint import check_depth, sha256_of
 from .._loader import DataLoader
-from .rules import Source, World, gather, hosted, remaining, require_in_order, sampler_for, share
+from .rules import (
+    Source, World, check_reached, gather, hosted, new_batch_size, rebatch_allowed, remaining, require_in_order,
+    sampler_for, share,
+)
 
 __all__ = ["RemainderSampler", "ReshardedLoader", "concat", "reshard"]
 
@@ -99,7 +107,7 @@ def _build(make_loader: LoaderFactory, sampler: Sampler[int]) -> DataLoader[Any]
 def _remainder(make_loader: LoaderFactory, source: Source, rank: int, world_size: int) -> DataLoader[Any]:
     """The loader reading new rank ``rank``'s share of the interrupted epoch, drawing with
     that epoch's per-sample seed when the old run used seed_per_sample."""
-    loader = _build(make_loader, RemainderSampler(share(remaining(source), source.batch_size, rank, world_size)))
+    loader = _build(make_loader, RemainderSampler(share(remaining(source), source.deal_size, rank, world_size)))
     _check_source(source, loader)
     if loader.seed_per_sample != (source.sample_seed is not None):
         raise CheckpointMismatchError(
@@ -107,7 +115,8 @@ def _remainder(make_loader: LoaderFactory, source: Source, rank: int, world_size
             f"{loader.seed_per_sample} in the loader make_loader built; build it with the old "
             "run's arguments"
         )
-    loader._sample_seed = source.sample_seed
+    if source.sample_seed is not None:
+        loader._draw_with_sample_seed(sample_seed=source.sample_seed)
     return loader
 
 
@@ -285,19 +294,25 @@ def reshard(
     rank: int,
     world_size: int,
     combine: Callable[[list[Any]], Any] = concat,
+    allow_mismatch: Iterable[str] = (),
 ) -> ReshardedLoader:
     """New rank ``rank`` of ``world_size``'s loader, resuming the run whose ranks saved
     ``states`` (each rank's ``state_dict()``, or a :class:`ReshardedLoader`'s; in any
     order). ``make_loader(sampler)`` builds a new snaploader DataLoader with that
     sampler and the old run's other arguments (called once per loader needed).
+    ``allow_mismatch=("batch_size",)`` lets its ``batch_size`` be a new per-rank batch:
+    the rest of the interrupted epoch is then re-partitioned in batches of that size,
+    whatever ``world_size`` (docs/elastic.md, "A new per-rank batch").
 
     Raises ``ValueError`` (for the checkpoints, a subclass: CheckpointFormatError, or
     CheckpointMismatchError when they do not make one world) naming what does not fit:
     a rank missing or given twice,
     checkpoints of different epochs or loaders, a sampler that is not torch's
-    DistributedSampler, a hosting world whose ranks stand at different steps."""
+    DistributedSampler, a hosting world whose ranks stand at different steps, a new
+    batch size not allowed."""
     if type(world_size) is not int or type(rank) is not int or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} and world_size={world_size!r}: expected ints with 0 <= rank < world_size")
+    rebatch = rebatch_allowed(allow_mismatch)
     flat, during = _unwrap(states)
     if during:
         source, state = _resume_during(during, len(states), rank, world_size)
@@ -309,47 +324,67 @@ def reshard(
         )
     world = gather(flat)
     if world.size % world_size == 0:
-        if len(set(world.positions)) > 1:
-            shown = ", ".join(f"rank {r}: {y} batches of epoch {e}{' (ended)' if ended else ''}" for r, (e, ended, y) in enumerate(world.positions))
-            raise CheckpointMismatchError(
-                f"hosting {world.size} ranks on {world_size} needs every old rank at the same step, "
-                f"to keep the global batches; the checkpoints stand at {shown}. Pass the "
-                "checkpoints every rank saved at one step"
-            )
-        loaders = []
-        for logical in hosted(world.size, rank, world_size):
-            loader = _build(make_loader, sampler_for(world.source, world.size, logical, None))
-            loader.load_state_dict(world.states[logical])
-            loaders.append(loader)
-        return ReshardedLoader(
-            mode="hosting", rank=rank, world_size=world_size, make_loader=make_loader, combine=combine,
-            loaders=loaders, epoch=_epoch_of(world), logical_ranks=tuple(hosted(world.size, rank, world_size)),
-        )
-    _check_world(world, make_loader)
-    if world.source.sampler_epoch is None:  # no epoch under way: the M-rank sampler now
-        after = _build(make_loader, sampler_for(world.source, world_size, rank, _epoch_of(world)))
+        first = _build(make_loader, sampler_for(world.source, world.size, hosted(world.size, rank, world_size)[0], None))
+        if new_batch_size(world.source, first.batch_size, rebatch) is None:
+            return _hosting(world, first, rank, world_size, make_loader, combine)
+        # NOTE [ a new per-rank batch ]: hosted loaders would yield N/M old-run batches
+        # per step, each of the new size; a new per-rank batch asks for M-rank batches of
+        # that size, so the rest is dealt anew, as when M does not divide N.
+    if world.source.sampler_epoch is not None:
+        require_in_order(world.checkpoints)
+    source = _check_world(world, make_loader, rebatch)
+    if source.sampler_epoch is None:  # no epoch under way: the M-rank sampler now
+        after = _build(make_loader, sampler_for(source, world_size, rank, _epoch_of(world)))
         return ReshardedLoader(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
             combine=combine, loaders=[after], epoch=_epoch_of(world),
         )
-    require_in_order(world.checkpoints)
     return ReshardedLoader(
         mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
         combine=combine, loaders=[], epoch=_epoch_of(world),
-        rest=(world.source, _remainder(make_loader, world.source, rank, world_size)),
+        rest=(source, _remainder(make_loader, source, rank, world_size)),
     )
 
 
-def _check_world(world: World, make_loader: LoaderFactory) -> None:
+def _hosting(
+    world: World, first: DataLoader[Any], rank: int, world_size: int, make_loader: LoaderFactory,
+    combine: Callable[[list[Any]], Any],
+) -> ReshardedLoader:
+    """New rank ``rank`` hosting its old ranks, ``first`` already built for the first."""
+    if len(set(world.positions)) > 1:
+        shown = ", ".join(f"rank {r}: {y} batches of epoch {e}{' (ended)' if ended else ''}" for r, (e, ended, y) in enumerate(world.positions))
+        raise CheckpointMismatchError(
+            f"hosting {world.size} ranks on {world_size} needs every old rank at the same step, "
+            f"to keep the global batches; the checkpoints stand at {shown}. Pass the "
+            "checkpoints every rank saved at one step"
+        )
+    logical = hosted(world.size, rank, world_size)
+    loaders = [first] + [_build(make_loader, sampler_for(world.source, world.size, r, None)) for r in logical[1:]]
+    for r, loader in zip(logical, loaders):
+        loader.load_state_dict(world.states[r])
+    return ReshardedLoader(
+        mode="hosting", rank=rank, world_size=world_size, make_loader=make_loader, combine=combine,
+        loaders=loaders, epoch=_epoch_of(world), logical_ranks=tuple(logical),
+    )
+
+
+def _check_world(world: World, make_loader: LoaderFactory, rebatch: bool) -> Source:
     """Re-partitioning loads no old rank's checkpoint, so each is checked as hosting
     would check it (the fingerprint: a grown dataset is refused; the position's
-    consistency) by loading it into a loader that is then dropped."""
+    consistency) by loading it into a loader that is then dropped. Returns the source
+    of the deal: the old world's, with the new batch size if the loaders have one."""
+    new_size = None
     for rank, state in enumerate(world.states):
         probe = _build(make_loader, sampler_for(world.source, world.size, rank, None))
+        new_size = new_batch_size(world.source, probe.batch_size, rebatch)
         try:
-            probe.load_state_dict(state)
+            probe.load_state_dict(state, allow_mismatch=() if new_size is None else ("batch_size",))
         except (CheckpointFormatError, CheckpointMismatchError) as exc:
             raise type(exc)(f"rank {rank}'s checkpoint: {exc}") from None
+    if new_size is None:
+        return world.source
+    check_reached(world.source, world.positions)
+    return replace(world.source, new_batch_size=new_size)
 
 
 def _check_source(source: Source, loader: DataLoader[Any]) -> None:
@@ -361,12 +396,13 @@ def _check_source(source: Source, loader: DataLoader[Any]) -> None:
         length = None
     pairs = {
         "dataset_length": (source.dataset_length, length),
-        "batch_size": (source.batch_size, loader.batch_size),
+        "batch_size": (source.deal_size, loader.batch_size),
         "drop_last": (source.drop_last, loader.drop_last),
     }
     lines = [f"  {key}: {old!r} in checkpoint / {new!r} in this loader" for key, (old, new) in pairs.items() if old != new]
     if lines:
         raise CheckpointMismatchError(
             "the re-partitioned epoch was taken from loaders built differently:\n" + "\n".join(lines)
-            + "\nBuild the loaders with the checkpoint's arguments to resume it"
+            + "\nBuild the loaders with the checkpoint's arguments to resume it (the batch_size its "
+            "rest was dealt in: change it from a checkpoint taken after that epoch)"
         )

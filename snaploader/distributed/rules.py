@@ -12,7 +12,7 @@ sampler. The rules, and what each guarantees, are in ``docs/elastic.md``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
@@ -46,6 +46,15 @@ class Source:
     # seed_per_sample: the interrupted epoch's per-sample seed, which the loaders reading
     # its rest draw with (every sample then as the old run drew it); None: option off
     sample_seed: int | None = None
+    # reshard(..., allow_mismatch=("batch_size",)): the new loaders' batch size, which
+    # the rest is dealt in; None: the old one. batch_size stays the old run's, which
+    # its ranks' positions (consumed) count in.
+    new_batch_size: int | None = None
+
+    @property
+    def deal_size(self) -> int:
+        """The batch size the rest of the interrupted epoch is dealt in."""
+        return self.batch_size if self.new_batch_size is None else self.new_batch_size
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -53,7 +62,7 @@ class Source:
             "sampler_drop_last": self.sampler_drop_last, "dataset_length": self.dataset_length,
             "batch_size": self.batch_size, "drop_last": self.drop_last,
             "sampler_epoch": self.sampler_epoch, "consumed": list(self.consumed),
-            "sample_seed": self.sample_seed,
+            "sample_seed": self.sample_seed, "new_batch_size": self.new_batch_size,
         }
 
     @classmethod
@@ -64,7 +73,10 @@ class Source:
             "num_replicas": int, "shuffle": bool, "seed": int, "sampler_drop_last": bool,
             "dataset_length": int, "batch_size": int, "drop_last": bool,
         }
-        keys = {*types, "sampler_epoch", "consumed", "sample_seed"}
+        keys = {*types, "sampler_epoch", "consumed", "sample_seed", "new_batch_size"}
+        # a source written before new_batch_size existed was dealt in the old batch size
+        if isinstance(plain, dict) and set(plain) == keys - {"new_batch_size"}:
+            plain = {**plain, "new_batch_size": None}
         if not isinstance(plain, dict) or set(plain) != keys:
             raise CheckpointFormatError(f"{where} is not a re-partition source: it should hold {sorted(keys)}")
         for key, kind in types.items():
@@ -82,6 +94,9 @@ class Source:
         sample_seed = plain["sample_seed"]
         if sample_seed is not None and (type(sample_seed) is not int or not 0 <= sample_seed < 2**64):
             raise CheckpointFormatError(f"{where}['sample_seed'] should be None or an int in [0, 2**64), got {sample_seed!r:.60}")
+        new_size = plain["new_batch_size"]
+        if new_size is not None and (type(new_size) is not int or new_size < 1):
+            raise CheckpointFormatError(f"{where}['new_batch_size'] should be None or an int >= 1, got {new_size!r:.60}")
         if not isinstance(consumed, list) or len(consumed) != plain["num_replicas"]:
             raise CheckpointFormatError(f"{where}['consumed'] should be a list of one count per old rank ({plain['num_replicas']})")
         source = cls(**{**plain, "consumed": tuple(consumed)})
@@ -282,6 +297,51 @@ def _sample_seed(checkpoints: Sequence[Checkpoint]) -> int | None:
     if seeds[0] is None:
         raise CheckpointFormatError("the checkpoints of an epoch under way hold no base seed")
     return epoch_seed(seeds[0], checkpoints[0].epoch)
+
+
+def rebatch_allowed(allow_mismatch: Iterable[str]) -> bool:
+    """Whether ``reshard(..., allow_mismatch=...)`` lets the new loaders' batch size
+    differ from the old run's: the one difference it can take."""
+    names = (allow_mismatch,) if isinstance(allow_mismatch, str) else tuple(allow_mismatch)
+    if isinstance(allow_mismatch, str) or set(names) - {"batch_size"}:
+        raise ValueError(
+            f"reshard(allow_mismatch={names!r}): only 'batch_size' may differ from the old "
+            "run's loaders, as allow_mismatch=('batch_size',); build the loaders with the old "
+            "run's other arguments"
+        )
+    return "batch_size" in names
+
+
+def new_batch_size(source: Source, built: int | None, rebatch: bool) -> int | None:
+    """The batch size of the loaders ``make_loader`` builds (``built``) when it is not the
+    old run's and ``rebatch`` allows it; None when it is the old run's."""
+    if built == source.batch_size:
+        return None
+    if built is None:
+        raise CheckpointMismatchError(
+            f"batch_size: {source.batch_size} in the old run's checkpoints / None in the loader "
+            "make_loader built: build it with batch_size= (torch's batching over the sampler it is given)"
+        )
+    if not rebatch:
+        raise CheckpointMismatchError(
+            f"batch_size: {source.batch_size} in the old run's checkpoints / {built} in the loader "
+            f"make_loader built. Pass reshard(..., allow_mismatch=('batch_size',)) to deal the rest "
+            f"of the interrupted epoch in batches of {built} (re-partitioned: each remaining sample "
+            f"read once, docs/elastic.md), or build the loaders with batch_size={source.batch_size}"
+        )
+    return built
+
+
+def check_reached(source: Source, positions: Sequence[tuple[int, bool, int]]) -> None:
+    """Refuse a rank position past the end of an old rank's epoch (a loader of another
+    batch size, loading the checkpoint, cannot tell)."""
+    per_rank = rank_batches(source)
+    for rank, (_, _, consumed) in enumerate(positions):
+        if consumed > per_rank:
+            raise CheckpointFormatError(
+                f"rank {rank}'s checkpoint: loader state['yielded'] is {consumed} for an epoch "
+                f"of {per_rank} batches of {source.batch_size}"
+            )
 
 
 def _batches(items: list[Any], fingerprint: dict[str, Any]) -> list[list[Any]]:
