@@ -498,9 +498,12 @@ def test_per_sample_seeds_make_a_repartitioned_epoch_exact_per_sample(old: int, 
     run = _old_run(make, 31, old, cut=2)
     expected = {i: row for rank in run.rest for i, row in _samples(rank).items()}
     states = [through_bytes(state) for state in run.states]
+    # New loaders on another generator seed: the interrupted epoch's per-sample seed must
+    # come from the checkpoints, not from what the new loaders would draw.
+    remake = _factory(31, per_sample=True, seed=2)
     got: dict[int, torch.Tensor] = {}
     for rank in range(new):
-        loader = reshard(states, make, rank=rank, world_size=new)
+        loader = reshard(states, remake, rank=rank, world_size=new)
         assert loader.mode == "repartition"
         loader.set_epoch(_EPOCH)
         rows = _samples(list(loader))
