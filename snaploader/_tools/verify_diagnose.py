@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from .verify_samples import SampleDifference
 
 Position = tuple[int, int | None]  # (epoch, batches consumed); None: the epoch ended
 
@@ -102,6 +105,7 @@ class CutResult:
     difference: Difference | None = None
     error: str | None = None
     notes: tuple[str, ...] = ()
+    samples: SampleDifference | None = None  # compared sample by sample (_tools/verify_samples.py)
 
     @property
     def where(self) -> str:
@@ -113,7 +117,7 @@ class CutResult:
     @property
     def empty(self) -> bool:
         """Nothing was compared: the run ends at this cut, so it checks nothing."""
-        return self.error is None and self.difference is None and not self.compared
+        return self.error is None and self.difference is None and self.samples is None and not self.compared
 
     @property
     def verdict(self) -> str:
@@ -121,6 +125,8 @@ class CutResult:
             return "resumed run failed"
         if self.difference is not None:
             return f"DIFFERS from {self.difference.where}"
+        if self.samples is not None:
+            return self.samples.verdict
         if self.empty:
             return "nothing to compare: the run ends here"
         return "identical"
