@@ -176,3 +176,18 @@ class CountingSampler(torch.utils.data.Sampler[int]):
 def uncaptured_sampler() -> snaploader.DataLoader:
     return snaploader.DataLoader(Jittered(16), batch_size=4, sampler=CountingSampler(16), seed_per_sample=True,
                                  generator=torch.Generator().manual_seed(8))
+
+
+def custom_batches() -> snaploader.DataLoader:
+    """Batches from a batch_sampler: not cut by a batch size, so not re-cut by another."""
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(16)), 4, False)
+    return snaploader.DataLoader(Jittered(16), batch_sampler=sampler)
+
+
+def unbatched() -> snaploader.DataLoader:
+    return snaploader.DataLoader(Jittered(16), batch_size=None)
+
+
+def unordered() -> snaploader.DataLoader:
+    return snaploader.DataLoader(Jittered(16), batch_size=4, num_workers=2, in_order=False,
+                                 multiprocessing_context="fork")

@@ -140,10 +140,11 @@ def sample_digests(batch: Any, n: int) -> list[tuple[str, list[tuple[str, str]]]
     shapes: list[str] = []
 
     def leaf(path: str, head: str, bodies: list[bytes]) -> None:
+        named = "sample" + path.removeprefix("batch")
         for j, body in enumerate(bodies):
             h = hashlib.sha256(head.encode())
             h.update(body)
-            parts[j].append((path, h.hexdigest()))
+            parts[j].append((named, h.hexdigest()))
 
     def walk(path: str, value: Any) -> None:
         if isinstance(value, (torch.Tensor, np.ndarray)):
@@ -173,7 +174,7 @@ def sample_digests(batch: Any, n: int) -> list[tuple[str, list[tuple[str, str]]]
             raise Unsplittable(f"{path} is a {type(value).__qualname__} ({_short_repr(value)}), one value for the whole batch")
 
     try:
-        walk("sample", batch)
+        walk("batch", batch)
     except Unsplittable:
         if not (isinstance(batch, (list, tuple)) and len(batch) == n):
             raise

@@ -187,10 +187,11 @@ def compare(reference: dict[str, Any], cut: CutResult, got: dict[str, Any], topo
             position = start + min(len(have), len(want))
             cut.samples, cut.compared = SampleDifference("order", epoch, position, None, None, detail), compared + 1
             return
-        if len(have) > len(want):
-            cut.notes += (f"cut {','.join(cut.labels)}: epoch {epoch}: {len(have) - len(want)} sample(s) "
-                          "that the uninterrupted run dropped (drop_last) were read after the resume, "
-                          "as drop_last at the new batch size keeps them; not compared",)
+        if reference["ended"][epoch] and len(have) != len(want):
+            more = len(have) > len(want)
+            cut.notes += (f"cut {','.join(cut.labels)}: epoch {epoch}: drop_last=True at batch size {new} "
+                          f"{'reads' if more else 'drops'} {abs(len(have) - len(want))} sample(s) that at "
+                          f"batch size {old} it {'dropped' if more else 'read'}; not compared",)
     cut.samples, cut.compared = values, compared + (values is not None)
 
 
@@ -198,8 +199,7 @@ _TOPOLOGY_DRAWS: Final = (
     "order exact, values differ: after a resume into {into} every sample comes in the "
     "interrupted run's order, none lost or repeated, but their values differ{where}. Without "
     "per-sample seeds this is expected: the random draws inside workers follow the "
-    "topology (each logical worker goes on from its snapshot, drawing for other samples; "
-    "the epochs after the resumed one are the new topology's stream). Build the loader with "
+    "topology ({why}). Build the loader with "
     "seed_per_sample=True to make every sample bit for bit the interrupted run's in any "
     "batch size and worker count (docs/elastic.md){logical}."
 )
@@ -224,10 +224,16 @@ def diagnose(reference: dict[str, Any], cuts: list[CutResult], topology: Topolog
         return _PER_SAMPLE_NOT_CAPTURED.format(collate=collate) + not_captured
     if all(d.topology_draws for d in found):
         first = min(found, key=lambda d: (d.epoch, d.position))
-        logical = "" if topology.batch_size not in (None, reference["batch_size"]) else (
-            f", or build it with logical_workers={reference['logical_workers']} to keep the "
-            "interrupted run's worker count for good")
-        return _TOPOLOGY_DRAWS.format(into=topology.words(), logical=logical,
+        if topology.batch_size not in (None, reference["batch_size"]):
+            logical, why = "", (
+                "each logical worker goes on from its snapshot, drawing for other samples than "
+                "before, and the epochs after the resumed one are the new batch size's stream")
+        else:
+            logical = (f", or build it with logical_workers={reference['logical_workers']} to keep "
+                       "the interrupted run's worker count for good")
+            why = ("the interrupted epoch is exact, its logical workers kept, but the epochs after "
+                   "it are the new worker count's stream: batch k goes to worker k mod the new count")
+        return _TOPOLOGY_DRAWS.format(into=topology.words(), logical=logical, why=why,
                                       where=f" (first at epoch {first.epoch} sample {first.position})")
     return not_captured
 
