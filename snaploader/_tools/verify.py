@@ -18,6 +18,8 @@ a file that changes). This command finds out, in fresh processes, as a restart w
       (skipped when the resumed runs agree with the second run: the data changed)
     else a resumed run differs: in its sample indices -> the sampler's state is not
       captured; in its values -> randomness or state snaploader does not capture
+    (--resume-batch-size/--resume-workers: resumed into another topology, compared
+    sample by sample; _tools/verify_samples.py)
 
 Every run is a child process (``_tools/verify_child.py``) in its own session, killed with its
 workers when it outlives ``--timeout-s``; the state files live in a temporary folder
@@ -273,7 +275,7 @@ def _verify_in(
     results = list(pool.map(resume, cuts))
     rerun = rerun_future.result()
     stable = rerun["ok"] and first_difference(reference["batches"], rerun["batches"]) is None
-    failed = [c for c in results if c.difference is not None or c.samples is not None or c.error is not None]
+    failed = [c for c in results if c.failed]
     if topology is not None and stable and failed:
         source = verify_samples.diagnose(reference, results, topology)
     else:
@@ -319,9 +321,9 @@ def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutRes
     print(f"snaploader verify {options.target}", file=out)
     print(f"  {reference['kind']}-style dataset, {workers} worker{'s' if workers != 1 else ''}, "
           f"{len(lengths)} epoch{'s' if len(lengths) != 1 else ''} of {shape}"
-          + (", a worker SIGKILLed in each resumed run" if options.kill_worker else "")
-          + ("" if options.topology is None else f", each cut resumed into {options.topology.words()} "
-             "and compared sample by sample"), file=out)
+          + (", a worker SIGKILLed in each resumed run" if options.kill_worker else ""), file=out)
+    if options.topology is not None:
+        print(f"  each cut resumed into {options.topology.words()}, compared sample by sample", file=out)
     print("", file=out)
     for line in _table(cuts):
         print(line, file=out)
@@ -330,7 +332,7 @@ def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutRes
         print("\nnotes:", file=out)
         for note in notes:
             print(_wrap(note, "  - ", "    "), file=out)
-    failed = [c for c in cuts if c.difference is not None or c.samples is not None or c.error is not None]
+    failed = [c for c in cuts if c.failed]
     if not source:
         checked = [c for c in cuts if not c.empty]
         compared = sum(c.compared for c in checked)

@@ -20,6 +20,14 @@ Protocol (JOB -> OUT):
   ``message``}. On success: ``batches`` (one record per batch: epoch, k, digest, leaf
   digests and, for map-style datasets, the sample indices), ``epochs`` (batches read
   and whether it ended, per epoch), ``saved`` (cut label -> state file), ``notes``.
+- With ``topology`` (``{"batch_size", "num_workers"}``, None for the loader's own; see
+  ``_tools/verify_samples.py``): the reference run checks that the loader can be
+  resumed into it and compared sample by sample (a usage error if not), and both modes
+  add to each batch record ``samples``, the digests of each of its samples. The resume
+  builds the loader in that topology, loads with ``allow_mismatch=("batch_size",)``,
+  and reads each epoch as ``plan`` says (``want`` samples, or to the epoch's end).
+  OUT also holds the loader's ``batch_size``, ``drop_last``, ``seed_per_sample``,
+  ``logical_workers`` and sampler ``items`` per epoch.
 - The process's environment carries ``SNAPLOADER_VERIFY_PHASE`` (set by the parent:
   reference, resume or rerun) for factories that want to know.
 """
@@ -216,9 +224,10 @@ def _read_samples(
     after_batch: Callable[[int, int], None],
 ) -> None:
     """Read batches of ``epoch`` until they hold ``read["want"]`` samples (None: until the
-    epoch ends), or ``read["cap"]`` batches were read (then the comparison finds too many)."""
-    got = k = 0
-    while k < read["cap"] and (read["want"] is None or got < read["want"]):
+    epoch ends), or ``read["cap"]`` batches were read (then the comparison finds too many);
+    the first is numbered ``read["first_k"]`` (from 0)."""
+    got, k = 0, read["first_k"]
+    while k - read["first_k"] < read["cap"] and (read["want"] is None or got < read["want"]):
         try:
             batch = next(iterator)
         except StopIteration:

@@ -115,9 +115,13 @@ class CutResult:
         return f"epoch {epoch}, after {k} batch{'es' if k != 1 else ''}"
 
     @property
+    def failed(self) -> bool:
+        return self.error is not None or self.difference is not None or self.samples is not None
+
+    @property
     def empty(self) -> bool:
         """Nothing was compared: the run ends at this cut, so it checks nothing."""
-        return self.error is None and self.difference is None and self.samples is None and not self.compared
+        return not self.failed and not self.compared
 
     @property
     def verdict(self) -> str:

@@ -219,7 +219,7 @@ def _check_resizable(made: torch_data.DataLoader[Any], iterable: bool, topology:
         )
     if size != made.batch_size and not getattr(made, "in_order", True):
         raise UsageError(
-            f"the loader has in_order=False, and a checkpoint taken mid-epoch with it cannot "
+            "the loader has in_order=False, and a checkpoint taken mid-epoch with it cannot "
             "resume into another batch_size (its yielded batches are not the first ones of the "
             "epoch; load_state_dict refuses it). Build it with in_order=True to check this, or "
             "give only --resume-workers"

@@ -101,8 +101,11 @@ def plan(reference: dict[str, Any], cut: CutResult, topology: Topology) -> list[
     steps = []
     for epoch in range(first, len(reference["lengths"])):
         count = len(expected.get(epoch, []))
+        # Batches are named as snaploader names them: an epoch resumed with another batch
+        # size goes on as an epoch part, whose batch 0 is the first new batch.
+        first_k = (cut.position[1] or 0) if epoch == cut.position[0] and new == old else 0
         steps.append({"epoch": epoch, "want": None if reference["ended"][epoch] else count,
-                      "cap": -(-(count + old) // new) + 1})
+                      "cap": -(-(count + old) // new) + 1, "first_k": first_k})
     return steps
 
 
