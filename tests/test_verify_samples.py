@@ -18,7 +18,7 @@ from torch.utils.data import default_collate
 from snaploader._tools.verify_diagnose import CutResult
 from snaploader._tools.verify_loader import Topology, UsageError, build
 from snaploader._tools.verify_record import Unsplittable, sample_digests
-from snaploader._tools.verify_samples import compare
+from snaploader._tools.verify_samples import compare, plan
 
 from .test_verify import PIPELINES, flat, verify
 
@@ -158,3 +158,17 @@ def test_a_sample_lost_after_the_resume_is_an_order_failure() -> None:
     cut = CutResult(["1"], (0, 1), "unused")
     compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4, 2])], "logical_workers": 0}, Topology(4))
     assert cut.samples is None and cut.compared == 4 and cut.verdict == "identical"
+
+
+def test_epochs_after_one_left_part_way_are_not_compared() -> None:
+    # Epoch 0 left after --max-batches: where it left the sampler's generator depends on
+    # the batch size, so epoch 1 is neither read nor compared, and a note says why.
+    reference = {"batches": [_record(0, 1, [5, 3]), _record(0, 2, [1, 0]), _record(1, 1, [2, 4])],
+                 "lengths": [2, 1], "ended": [False, True], "batch_size": 2, "drop_last": False, "items": 6,
+                 "logical_workers": 0}
+    cut = CutResult(["1"], (0, 1), "unused")
+    assert [step["epoch"] for step in plan(reference, cut, Topology(3))] == [0]
+    assert plan(reference, cut, Topology(3))[0]["want"] == 2
+    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])], "logical_workers": 0}, Topology(3))
+    assert cut.verdict == "identical" and cut.compared == 2
+    assert "epochs after epoch 0 not compared" in cut.notes[0]

@@ -183,7 +183,8 @@ class ChildRuns:
 
 
 def _wrap(text: str, first: str, rest: str, width: int = 88) -> str:
-    return textwrap.fill(text, width=width, initial_indent=first, subsequent_indent=rest)
+    return textwrap.fill(text, width=width, initial_indent=first, subsequent_indent=rest,
+                         break_on_hyphens=False)
 
 
 def _table(cuts: list[CutResult]) -> list[str]:
@@ -228,9 +229,8 @@ def _verify_in(
             print(f"snaploader verify: the uninterrupted run of {options.target} failed, so there "
                   f"is nothing to compare; fix the pipeline first.\n{error['message']}", file=err)
         return 2
-    resumed_workers = reference["num_workers"] if topology is None or topology.num_workers is None else (
-        topology.num_workers)
-    if options.kill_worker and resumed_workers == 0:
+    workers = reference["num_workers"] if topology is None or topology.num_workers is None else topology.num_workers
+    if options.kill_worker and workers == 0:
         progress.done()
         whose = "this" if topology is None else "the resumed"
         print(f"snaploader verify: --kill-worker needs worker processes, and {whose} loader has "

@@ -266,6 +266,8 @@ def run_resume(job: dict[str, Any], built: Built) -> dict[str, Any]:
     for epoch in range(first, epochs):
         iterator = iter(loader)
         if topology is not None:
+            if epoch - first == len(job["plan"]):
+                break  # the epochs after one left part-way are not compared
             _read_samples(iterator, epoch, job["plan"][epoch - first], recorder, maybe_kill)
         else:
             already = start_k if epoch == start_epoch and start_k is not None else 0

@@ -92,14 +92,25 @@ def _before_cut(reference: dict[str, Any], cut: CutResult) -> dict[int, int]:
     return {epoch: sum(len(b["indices"]) for b in reference["batches"] if b["epoch"] == epoch and b["k"] <= k)}
 
 
+def _epochs(reference: dict[str, Any], cut: CutResult) -> range:
+    """The epochs compared after ``cut``: up to the first one the reference abandoned
+    after ``--max-batches``. Where an epoch left part-way leaves the loader's generator
+    depends on how many sampler items it pulled (torch's RandomSampler draws a new
+    permutation when it runs out), so the batch size changes the order of the epoch after
+    it, in torch as here; after a whole epoch it does not."""
+    first = cut.position[0] + (cut.position[1] is None)
+    ended = reference["ended"]
+    last = next((e for e in range(first, len(ended)) if not ended[e]), len(ended) - 1)
+    return range(first, last + 1)
+
+
 def plan(reference: dict[str, Any], cut: CutResult, topology: Topology) -> list[dict[str, Any]]:
     """How much of each epoch from the cut on the resumed run reads."""
     old = reference["batch_size"]
     new = topology.batch_size or old
     expected = _samples(after(reference["batches"], cut.position), _before_cut(reference, cut))
-    first = cut.position[0] + (cut.position[1] is None)
     steps = []
-    for epoch in range(first, len(reference["lengths"])):
+    for epoch in _epochs(reference, cut):
         count = len(expected.get(epoch, []))
         # Batches are named as snaploader names them: an epoch resumed with another batch
         # size goes on as an epoch part, whose batch 0 is the first new batch.
@@ -161,7 +172,13 @@ def compare(reference: dict[str, Any], cut: CutResult, got: dict[str, Any], topo
         cut.position[0] + 1 if got["logical_workers"] != reference["logical_workers"] else None)
     compared = 0
     values: SampleDifference | None = None
-    for epoch in range(cut.position[0] + (cut.position[1] is None), len(reference["lengths"])):
+    epochs = _epochs(reference, cut)
+    if epochs.stop < len(reference["lengths"]):
+        cut.notes += (f"cut {','.join(cut.labels)}: epochs after epoch {epochs.stop - 1} not compared: the "
+                      f"uninterrupted run left it after --max-batches, and the order of the epoch after one "
+                      "left part-way depends on the batch size (torch's RandomSampler draws anew when it runs "
+                      "out of items); raise --max-batches to read whole epochs",)
+    for epoch in epochs:
         want, have = expected.get(epoch, []), resumed.get(epoch, [])
         for a, b in zip(want, have):
             if a.index != b.index:
