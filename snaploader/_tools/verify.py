@@ -48,10 +48,10 @@ from . import verify_samples
 from .verify_child import Cut, Topology, UsageError
 from .verify_diagnose import (
     CutResult,
-    Position,
     after,
     diagnose_source,
     first_difference,
+    group_cuts,
     rerun_job,
 )
 
@@ -236,7 +236,7 @@ def _verify_in(
         print(f"snaploader verify: --kill-worker needs worker processes, and {whose} loader has "
               "num_workers=0; drop --kill-worker", file=err)
         return 2
-    cuts = _group_cuts(reference)
+    cuts = group_cuts(reference)
     if not cuts:
         progress.done()
         print(f"snaploader verify: none of the cuts {','.join(options.cuts)} falls inside this "
@@ -290,18 +290,6 @@ def _verify_in(
     return 2 if all(cut.empty for cut in results) else 0
 
 
-def _group_cuts(reference: dict[str, Any]) -> list[CutResult]:
-    """One resume per distinct position (1, mid and end coincide in a short epoch)."""
-    by_position: dict[Position, CutResult] = {}
-    for label, saved in reference["saved"].items():
-        position = (saved["epoch"], saved["k"])
-        if position in by_position:
-            by_position[position].labels.append(label)
-        else:
-            by_position[position] = CutResult([label], position, saved["path"])
-    return list(by_position.values())
-
-
 def _skipped(options: VerifyOptions, reference: dict[str, Any]) -> list[str]:
     lines = []
     for text in options.cuts:
@@ -345,10 +333,11 @@ def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutRes
         empty = [",".join(c.labels) for c in cuts if c.empty]
         if empty:
             print("", file=out)
+            why = " (see the notes)." if any(c.unchecked for c in cuts) else (
+                ", because the run ends there; raise --epochs (or --max-batches) to check a resume from there.")
             print(_wrap(f"{'nothing checked' if not checked else 'not checked'}: cut"
-                        f"{'s' if len(empty) != 1 else ''} {', '.join(empty)} compared nothing, "
-                        "because the run ends there; raise --epochs (or --max-batches) to check "
-                        "a resume from there.", "", ""), file=out)
+                        f"{'s' if len(empty) != 1 else ''} {', '.join(empty)} compared nothing{why}", "", ""),
+                  file=out)
         return
     print("\ndiagnosis:", file=out)
     for cut in failed:

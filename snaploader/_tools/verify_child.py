@@ -294,7 +294,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             "kind": built.kind, "num_workers": loader.num_workers, "recorded": built.recorded,
             "generator": loader.generator is not None, "batch_size": loader.batch_size,
             "drop_last": loader.drop_last, "seed_per_sample": loader.seed_per_sample,
-            "logical_workers": loader.logical_workers,
+            "logical_workers": loader.logical_workers, "persistent_workers": loader.persistent_workers,
             "items": None if built.kind == "iterable" else _items(loader),
         }
         del loader

@@ -106,6 +106,7 @@ class CutResult:
     error: str | None = None
     notes: tuple[str, ...] = ()
     samples: SampleDifference | None = None  # compared sample by sample (_tools/verify_samples.py)
+    unchecked: str = ""  # why nothing was compared, where the run goes on (the notes say more)
 
     @property
     def where(self) -> str:
@@ -132,8 +133,20 @@ class CutResult:
         if self.samples is not None:
             return self.samples.verdict
         if self.empty:
-            return "nothing to compare: the run ends here"
+            return self.unchecked or "nothing to compare: the run ends here"
         return "identical"
+
+
+def group_cuts(reference: dict[str, Any]) -> list[CutResult]:
+    """One resume per distinct position (1, mid and end coincide in a short epoch)."""
+    by_position: dict[Position, CutResult] = {}
+    for label, saved in reference["saved"].items():
+        position = (saved["epoch"], saved["k"])
+        if position in by_position:
+            by_position[position].labels.append(label)
+        else:
+            by_position[position] = CutResult([label], position, saved["path"])
+    return list(by_position.values())
 
 
 # -- the diagnosis --------------------------------------------------------------------

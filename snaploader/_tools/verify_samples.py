@@ -92,16 +92,26 @@ def _before_cut(reference: dict[str, Any], cut: CutResult) -> dict[int, int]:
     return {epoch: sum(len(b["indices"]) for b in reference["batches"] if b["epoch"] == epoch and b["k"] <= k)}
 
 
-def _epochs(reference: dict[str, Any], cut: CutResult) -> range:
-    """The epochs compared after ``cut``: up to the first one the reference abandoned
-    after ``--max-batches``. Where an epoch left part-way leaves the loader's generator
-    depends on how many sampler items it pulled (torch's RandomSampler draws a new
-    permutation when it runs out), so the batch size changes the order of the epoch after
-    it, in torch as here; after a whole epoch it does not."""
+def _epochs(reference: dict[str, Any], cut: CutResult, topology: Topology) -> tuple[range, str]:
+    """The epochs compared after ``cut``, and why the later ones are not ("": all are)."""
     first = cut.position[0] + (cut.position[1] is None)
     ended = reference["ended"]
+    if reference["persistent_workers"] and topology.num_workers == 0:
+        # The interrupted epoch is exact; a persistent loader draws its base seed once and
+        # a num_workers=0 one every epoch, so the later epochs are another stream.
+        return range(first, cut.position[0] + 1), (
+            "the resumed loader has num_workers=0, so no persistent workers, and its epochs after the "
+            "interrupted one are not the persistent loader's stream (it draws its workers' base seed once, "
+            "a new loader every epoch; docs/elastic.md, \"Persistent workers on one side only\")")
+    # Where an epoch left part-way leaves the loader's generator depends on how many
+    # sampler items it pulled (torch's RandomSampler draws a new permutation when it runs
+    # out), so the batch size changes the order of the epoch after it, in torch as here;
+    # after a whole epoch it does not.
     last = next((e for e in range(first, len(ended)) if not ended[e]), len(ended) - 1)
-    return range(first, last + 1)
+    return range(first, last + 1), "" if last == len(ended) - 1 else (
+        f"the uninterrupted run left epoch {last} after --max-batches, and the order of the epoch "
+        "after one left part-way depends on the batch size (torch's RandomSampler draws anew when "
+        "it runs out of items); raise --max-batches to read whole epochs")
 
 
 def plan(reference: dict[str, Any], cut: CutResult, topology: Topology) -> list[dict[str, Any]]:
@@ -110,7 +120,7 @@ def plan(reference: dict[str, Any], cut: CutResult, topology: Topology) -> list[
     new = topology.batch_size or old
     expected = _samples(after(reference["batches"], cut.position), _before_cut(reference, cut))
     steps = []
-    for epoch in _epochs(reference, cut):
+    for epoch in _epochs(reference, cut, topology)[0]:
         count = len(expected.get(epoch, []))
         # Batches are named as snaploader names them: an epoch resumed with another batch
         # size goes on as an epoch part, whose batch 0 is the first new batch.
@@ -172,12 +182,10 @@ def compare(reference: dict[str, Any], cut: CutResult, got: dict[str, Any], topo
         cut.position[0] + 1 if got["logical_workers"] != reference["logical_workers"] else None)
     compared = 0
     values: SampleDifference | None = None
-    epochs = _epochs(reference, cut)
-    if epochs.stop < len(reference["lengths"]):
-        cut.notes += (f"cut {','.join(cut.labels)}: epochs after epoch {epochs.stop - 1} not compared: the "
-                      f"uninterrupted run left it after --max-batches, and the order of the epoch after one "
-                      "left part-way depends on the batch size (torch's RandomSampler draws anew when it runs "
-                      "out of items); raise --max-batches to read whole epochs",)
+    epochs, why = _epochs(reference, cut, topology)
+    if why:
+        after_epoch = f"after epoch {epochs.stop - 1}" if epochs else f"from epoch {epochs.start} on"
+        cut.notes += (f"cut {','.join(cut.labels)}: epochs {after_epoch} not compared: {why}",)
     for epoch in epochs:
         want, have = expected.get(epoch, []), resumed.get(epoch, [])
         for a, b in zip(want, have):
@@ -213,6 +221,8 @@ def compare(reference: dict[str, Any], cut: CutResult, got: dict[str, Any], topo
                           f"{'reads' if more else 'drops'} {abs(len(have) - len(want))} sample(s) that at "
                           f"batch size {old} it {'dropped' if more else 'read'}; not compared",)
     cut.samples, cut.compared = values, compared + (values is not None)
+    if why and not cut.compared:
+        cut.unchecked = "nothing compared (see the notes)"
 
 
 _TOPOLOGY_DRAWS: Final = (
