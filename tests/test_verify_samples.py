@@ -148,15 +148,15 @@ def test_a_sample_lost_after_the_resume_is_an_order_failure() -> None:
     # Batches of 2 over 6 items, cut after 1 batch; resumed by 4: one sample missing.
     reference = {"batches": [_record(0, 1, [5, 3]), _record(0, 2, [1, 0]), _record(0, 3, [4, 2])],
                  "lengths": [3], "ended": [True], "batch_size": 2, "drop_last": False, "items": 6,
-                 "logical_workers": 0, "persistent_workers": False}
+                 "logical_workers": 0, "num_workers": 0, "persistent_workers": False}
     cut = CutResult(["1"], (0, 1), "unused")
-    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])], "logical_workers": 0, "persistent_workers": False}, Topology(4))
+    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])], "logical_workers": 0, "num_workers": 0, "persistent_workers": False}, Topology(4))
     assert cut.samples is not None and cut.samples.kind == "order"
     assert cut.verdict == "ORDER DIFFERS from epoch 0 sample 5"
     assert "the resumed run yielded 3 samples of epoch 0 after the cut, the uninterrupted run 4" in cut.samples.describe()[0]
     assert "samples lost" in cut.samples.describe()[0]
     cut = CutResult(["1"], (0, 1), "unused")
-    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4, 2])], "logical_workers": 0, "persistent_workers": False}, Topology(4))
+    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4, 2])], "logical_workers": 0, "num_workers": 0, "persistent_workers": False}, Topology(4))
     assert cut.samples is None and cut.compared == 4 and cut.verdict == "identical"
 
 
@@ -165,27 +165,31 @@ def test_epochs_after_one_left_part_way_are_not_compared() -> None:
     # the batch size, so epoch 1 is neither read nor compared, and a note says why.
     reference = {"batches": [_record(0, 1, [5, 3]), _record(0, 2, [1, 0]), _record(1, 1, [2, 4])],
                  "lengths": [2, 1], "ended": [False, True], "batch_size": 2, "drop_last": False, "items": 6,
-                 "logical_workers": 0, "persistent_workers": False}
+                 "logical_workers": 0, "num_workers": 0, "persistent_workers": False}
     cut = CutResult(["1"], (0, 1), "unused")
     assert [step["epoch"] for step in plan(reference, cut, Topology(3))] == [0]
     assert plan(reference, cut, Topology(3))[0]["want"] == 2
-    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])], "logical_workers": 0, "persistent_workers": False}, Topology(3))
+    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])], "logical_workers": 0, "num_workers": 0, "persistent_workers": False}, Topology(3))
     assert cut.verdict == "identical" and cut.compared == 2
     assert "epochs after epoch 0 not compared" in cut.notes[0]
 
 
-def test_a_persistent_loader_resumed_without_workers_is_compared_in_the_interrupted_epoch_only() -> None:
-    # At num_workers=0 the loader has no persistent workers: its next epochs draw a base
-    # seed each, the persistent loader's do not, so they are another stream.
+def test_a_persistent_loader_resumed_into_other_workers_is_compared_in_the_interrupted_epoch_only() -> None:
+    # At num_workers=0 the loader has no persistent workers, and at another count they
+    # cannot carry their states on: its next epochs start as a new loader's, which draws
+    # a base seed each epoch where the persistent loader drew one once: another stream.
     reference = {"batches": [_record(0, 1, [5, 3]), _record(0, 2, [1, 0]), _record(1, 1, [2, 4])],
                  "lengths": [2, 1], "ended": [True, True], "batch_size": 2, "drop_last": False, "items": 4,
-                 "logical_workers": 2, "persistent_workers": True}
+                 "logical_workers": 2, "num_workers": 2, "persistent_workers": True}
     cut = CutResult(["1"], (0, 1), "unused")
     assert [step["epoch"] for step in plan(reference, cut, Topology(num_workers=0))] == [0]
-    assert [step["epoch"] for step in plan(reference, cut, Topology(num_workers=1))] == [0, 1]
+    # Another worker count: the next epoch starts as a new loader's too.
+    assert [step["epoch"] for step in plan(reference, cut, Topology(num_workers=1))] == [0]
+    # A new batch size alone keeps the persistent workers' stream.
+    assert [step["epoch"] for step in plan(reference, cut, Topology(batch_size=3))] == [0, 1]
     compare(reference, cut, {"batches": [_record(0, 1, [1, 0])], "logical_workers": 0}, Topology(num_workers=0))
     assert cut.verdict == "identical" and cut.compared == 2
-    assert "epochs after epoch 0 not compared: the resumed loader has num_workers=0" in cut.notes[0]
+    assert "epochs after epoch 0 not compared: the loader has persistent workers, and the resumed one has none" in cut.notes[0]
     boundary = CutResult(["boundary"], (0, None), "unused")
     compare(reference, boundary, {"batches": [], "logical_workers": 0}, Topology(num_workers=0))
     assert boundary.empty and boundary.verdict == "nothing compared (see the notes)"

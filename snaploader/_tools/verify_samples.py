@@ -92,17 +92,29 @@ def _before_cut(reference: dict[str, Any], cut: CutResult) -> dict[int, int]:
     return {epoch: sum(len(b["indices"]) for b in reference["batches"] if b["epoch"] == epoch and b["k"] <= k)}
 
 
+def _logical(reference: dict[str, Any], topology: Topology) -> int:
+    """The resumed loader's logical worker count (``_tools/verify_loader.py``'s rebuild:
+    the default follows ``num_workers``, another value is kept)."""
+    if reference["logical_workers"] != reference["num_workers"] or topology.num_workers is None:
+        return int(reference["logical_workers"])
+    return topology.num_workers
+
+
 def _epochs(reference: dict[str, Any], cut: CutResult, topology: Topology) -> tuple[range, str]:
     """The epochs compared after ``cut``, and why the later ones are not ("": all are)."""
     first = cut.position[0] + (cut.position[1] is None)
     ended = reference["ended"]
-    if reference["persistent_workers"] and topology.num_workers == 0:
-        # The interrupted epoch is exact; a persistent loader draws its base seed once and
-        # a num_workers=0 one every epoch, so the later epochs are another stream.
+    if reference["persistent_workers"] and (topology.num_workers == 0 or _logical(reference, topology)
+                                            != reference["logical_workers"]):
+        # The interrupted epoch is exact. Persistent workers carry their states into the
+        # next epoch, and a base seed drawn once; workers of another count cannot, so the
+        # resumed loader's next epoch starts as a new loader's: another stream.
         return range(first, cut.position[0] + 1), (
-            "the resumed loader has num_workers=0, so no persistent workers, and its epochs after the "
-            "interrupted one are not the persistent loader's stream (it draws its workers' base seed once, "
-            "a new loader every epoch; docs/elastic.md, \"Persistent workers on one side only\")")
+            "the loader has persistent workers, and the resumed one "
+            f"has {'none (num_workers=0)' if topology.num_workers == 0 else 'another worker count'}, "
+            "so its epochs after the interrupted one start as a new loader's (which draws a base "
+            "seed each epoch, where persistent workers drew one once): another stream "
+            "(docs/elastic.md)")
     # Where an epoch left part-way leaves the loader's generator depends on how many
     # sampler items it pulled (torch's RandomSampler draws a new permutation when it runs
     # out), so the batch size changes the order of the epoch after it, in torch as here;
@@ -179,7 +191,7 @@ def compare(reference: dict[str, Any], cut: CutResult, got: dict[str, Any], topo
     # Draws follow the topology without per-sample seeds: in every batch of a new batch
     # size, and from the next epoch on with a new logical worker count.
     changed_from = cut.position[0] if new != old else (
-        cut.position[0] + 1 if got["logical_workers"] != reference["logical_workers"] else None)
+        cut.position[0] + 1 if _logical(reference, topology) != reference["logical_workers"] else None)
     compared = 0
     values: SampleDifference | None = None
     epochs, why = _epochs(reference, cut, topology)
