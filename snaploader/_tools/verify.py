@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Final, TextIO
 
 from . import verify_samples
-from .verify_child import Cut, Topology, UsageError
+from .verify_child import Cut
 from .verify_diagnose import (
     CutResult,
     after,
@@ -54,6 +54,7 @@ from .verify_diagnose import (
     group_cuts,
     rerun_job,
 )
+from .verify_loader import Topology, UsageError
 
 DEFAULT_CUTS: Final = "1,mid,end,boundary"
 _STDERR_TAIL_CHARS: Final = 2000

@@ -1,5 +1,6 @@
-"""``snaploader verify``'s records of a batch: digests of every leaf, and the sample
-indices of a map-style dataset, recorded by tagging its items (see ``_tools/verify_child.py``)."""
+"""``snaploader verify``'s records of a batch: digests of every leaf, the sample indices
+of a map-style dataset, recorded by tagging its items (see ``_tools/verify_loader.py``),
+and, for a resume into another batch size, the digests of each sample the batch holds."""
 
 from __future__ import annotations
 
