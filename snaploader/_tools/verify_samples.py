@@ -104,8 +104,8 @@ def _epochs(reference: dict[str, Any], cut: CutResult, topology: Topology) -> tu
     """The epochs compared after ``cut``, and why the later ones are not ("": all are)."""
     first = cut.position[0] + (cut.position[1] is None)
     ended = reference["ended"]
-    if reference["persistent_workers"] and (topology.num_workers == 0 or _logical(reference, topology)
-                                            != reference["logical_workers"]):
+    other_count = topology.num_workers == 0 or _logical(reference, topology) != reference["logical_workers"]
+    if reference["persistent_workers"] and other_count and cut.position[0] + 1 < len(ended):
         # The interrupted epoch is exact. Persistent workers carry their states into the
         # next epoch, and a base seed drawn once; workers of another count cannot, so the
         # resumed loader's next epoch starts as a new loader's: another stream.
@@ -116,14 +116,15 @@ def _epochs(reference: dict[str, Any], cut: CutResult, topology: Topology) -> tu
             "seed each epoch, where persistent workers drew one once): another stream "
             "(docs/elastic.md)")
     # Where an epoch left part-way leaves the loader's generator depends on how many
-    # sampler items it pulled (torch's RandomSampler draws a new permutation when it runs
-    # out), so the batch size changes the order of the epoch after it, in torch as here;
-    # after a whole epoch it does not.
+    # sampler items were pulled (torch's RandomSampler draws a new permutation when it
+    # runs out), which the batch size and the prefetching change: so does the order of
+    # the epoch after it, in torch as here. After a whole epoch it does not.
     last = next((e for e in range(first, len(ended)) if not ended[e]), len(ended) - 1)
     return range(first, last + 1), "" if last == len(ended) - 1 else (
         f"the uninterrupted run left epoch {last} after --max-batches, and the order of the epoch "
-        "after one left part-way depends on the batch size (torch's RandomSampler draws anew when "
-        "it runs out of items); raise --max-batches to read whole epochs")
+        "after one left part-way depends on how many sampler items were pulled (torch's "
+        "RandomSampler draws anew when it runs out), which the batch size and the worker count "
+        "change; raise --max-batches to read whole epochs")
 
 
 def plan(reference: dict[str, Any], cut: CutResult, topology: Topology) -> list[dict[str, Any]]:
