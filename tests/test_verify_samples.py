@@ -150,14 +150,18 @@ def test_a_sample_lost_after_the_resume_is_an_order_failure() -> None:
                  "lengths": [3], "ended": [True], "batch_size": 2, "drop_last": False, "items": 6,
                  "logical_workers": 0, "num_workers": 0, "persistent_workers": False}
     cut = CutResult(["1"], (0, 1), "unused")
-    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])], "logical_workers": 0, "num_workers": 0, "persistent_workers": False}, Topology(4))
+    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])]}, Topology(4))
     assert cut.samples is not None and cut.samples.kind == "order"
     assert cut.verdict == "ORDER DIFFERS from epoch 0 sample 5"
     assert "the resumed run yielded 3 samples of epoch 0 after the cut, the uninterrupted run 4" in cut.samples.describe()[0]
     assert "samples lost" in cut.samples.describe()[0]
     cut = CutResult(["1"], (0, 1), "unused")
-    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4, 2])], "logical_workers": 0, "num_workers": 0, "persistent_workers": False}, Topology(4))
+    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4, 2])]}, Topology(4))
     assert cut.samples is None and cut.compared == 4 and cut.verdict == "identical"
+    # After the last batch of the last epoch the run ends: nothing to compare, and no note.
+    end = CutResult(["end"], (0, 3), "unused")
+    compare(reference, end, {"batches": []}, Topology(4))
+    assert end.empty and end.verdict == "nothing to compare: the run ends here" and not end.notes
 
 
 def test_epochs_after_one_left_part_way_are_not_compared() -> None:
@@ -169,7 +173,7 @@ def test_epochs_after_one_left_part_way_are_not_compared() -> None:
     cut = CutResult(["1"], (0, 1), "unused")
     assert [step["epoch"] for step in plan(reference, cut, Topology(3))] == [0]
     assert plan(reference, cut, Topology(3))[0]["want"] == 2
-    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])], "logical_workers": 0, "num_workers": 0, "persistent_workers": False}, Topology(3))
+    compare(reference, cut, {"batches": [_record(0, 1, [1, 0, 4])]}, Topology(3))
     assert cut.verdict == "identical" and cut.compared == 2
     assert "epochs after epoch 0 not compared" in cut.notes[0]
 
@@ -187,9 +191,9 @@ def test_a_persistent_loader_resumed_into_other_workers_is_compared_in_the_inter
     assert [step["epoch"] for step in plan(reference, cut, Topology(num_workers=1))] == [0]
     # A new batch size alone keeps the persistent workers' stream.
     assert [step["epoch"] for step in plan(reference, cut, Topology(batch_size=3))] == [0, 1]
-    compare(reference, cut, {"batches": [_record(0, 1, [1, 0])], "logical_workers": 0}, Topology(num_workers=0))
+    compare(reference, cut, {"batches": [_record(0, 1, [1, 0])]}, Topology(num_workers=0))
     assert cut.verdict == "identical" and cut.compared == 2
     assert "epochs after epoch 0 not compared: the loader has persistent workers, and the resumed one has none" in cut.notes[0]
     boundary = CutResult(["boundary"], (0, None), "unused")
-    compare(reference, boundary, {"batches": [], "logical_workers": 0}, Topology(num_workers=0))
+    compare(reference, boundary, {"batches": []}, Topology(num_workers=0))
     assert boundary.empty and boundary.verdict == "nothing compared (see the notes)"

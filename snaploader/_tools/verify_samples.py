@@ -212,18 +212,18 @@ def compare(reference: dict[str, Any], cut: CutResult, got: dict[str, Any], topo
         start = offsets.get(epoch, 0)
         if not reference["ended"][epoch]:
             # Abandoned after --max-batches: the resumed run reads at least as far.
-            target, why, short = len(want), "", len(have) < len(want)
+            target, because, short = len(want), "", len(have) < len(want)
         elif drop_last and new != old:
             # The sampler's items left, cut into whole batches of the new size.
             target = len(have) if items is None else (items - start) // new * new
-            why = f"batches of {new} with drop_last=True leave {target}"
+            because = f"batches of {new} with drop_last=True leave {target}"
             short = len(have) != target
         else:
-            target, why = len(want), "every one the epoch had left"
+            target, because = len(want), "every one the epoch had left"
             short = len(have) != target
         if short:
             detail = (f"the resumed run yielded {len(have)} samples of epoch {epoch} after the cut, "
-                      f"the uninterrupted run {len(want)}{f' ({why})' if why else ''}: samples "
+                      f"the uninterrupted run {len(want)}{f' ({because})' if because else ''}: samples "
                       f"{'lost' if len(have) < target else 'repeated'}")
             position = start + min(len(have), len(want))
             cut.samples, cut.compared = SampleDifference("order", epoch, position, None, None, detail), compared + 1
