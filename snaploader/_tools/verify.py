@@ -233,9 +233,9 @@ def _verify_in(
     workers = reference["num_workers"] if topology is None or topology.num_workers is None else topology.num_workers
     if options.kill_worker and workers == 0:
         progress.done()
-        whose = "this" if topology is None else "the resumed"
+        whose, other = ("this", "") if topology is None else ("the resumed", ", or give --resume-workers 1 or more")
         print(f"snaploader verify: --kill-worker needs worker processes, and {whose} loader has "
-              "num_workers=0; drop --kill-worker", file=err)
+              f"num_workers=0; drop --kill-worker{other}", file=err)
         return 2
     cuts = group_cuts(reference)
     if not cuts:
