@@ -138,3 +138,56 @@ class Stuck(Jittered):
 def hangs() -> snaploader.DataLoader:
     """Every item takes ten minutes: verify's --timeout-s must end the run."""
     return snaploader.DataLoader(Stuck(8), batch_size=4)
+
+
+# -- resumed into another batch size and worker count (--resume-batch-size/--resume-workers)
+
+
+def per_sample_seeds() -> snaploader.DataLoader:
+    """torch.rand drawn in 2 workers, each sample seeded from its index: any topology."""
+    return snaploader.DataLoader(Jittered(40), batch_size=4, shuffle=True, num_workers=2, seed_per_sample=True,
+                                 generator=torch.Generator().manual_seed(6), multiprocessing_context="fork")
+
+
+def worker_draws() -> snaploader.DataLoader:
+    """The same draws without per-sample seeds: they follow the worker and batch."""
+    return snaploader.DataLoader(Jittered(40), batch_size=4, shuffle=True, num_workers=2,
+                                 generator=torch.Generator().manual_seed(6), multiprocessing_context="fork")
+
+
+class CountingSampler(torch.utils.data.Sampler[int]):
+    """Each epoch's order is drawn from the number of epochs this object has started: a
+    fresh process starts over at 0, and snaploader cannot capture that count."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.started = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(range(self.n))
+        random.Random(self.started).shuffle(order)
+        self.started += 1
+        return iter(order)
+
+
+def uncaptured_sampler() -> snaploader.DataLoader:
+    return snaploader.DataLoader(Jittered(16), batch_size=4, sampler=CountingSampler(16), seed_per_sample=True,
+                                 generator=torch.Generator().manual_seed(8))
+
+
+def custom_batches() -> snaploader.DataLoader:
+    """Batches from a batch_sampler: not cut by a batch size, so not re-cut by another."""
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(16)), 4, False)
+    return snaploader.DataLoader(Jittered(16), batch_sampler=sampler)
+
+
+def unbatched() -> snaploader.DataLoader:
+    return snaploader.DataLoader(Jittered(16), batch_size=None)
+
+
+def unordered() -> snaploader.DataLoader:
+    return snaploader.DataLoader(Jittered(16), batch_size=4, num_workers=2, in_order=False,
+                                 multiprocessing_context="fork")

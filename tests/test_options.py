@@ -14,7 +14,7 @@ import torch
 
 import snaploader
 from snaploader._state.options import Options
-from snaploader._tools import verify_child
+from snaploader._tools import verify_loader
 from snaploader._workers.runtime import WorkerRuntime
 
 # Every option at a value other than its default. Adding a field to Options without
@@ -88,7 +88,7 @@ def test_the_loader_keeps_every_option_in_one_record() -> None:
 
 def test_verify_rebuilds_the_loader_with_every_option(tmp_path: Path) -> None:
     loader = _loader(num_workers=2)
-    rebuilt = verify_child.rebuild(loader, loader.dataset, loader.collate_fn)
+    rebuilt = verify_loader.rebuild(loader, loader.dataset, loader.collate_fn)
     assert rebuilt.options == loader.options
     # And through the target verify is given, as `snaploader verify` imports it.
     target = tmp_path / "pipeline_with_options.py"
@@ -100,13 +100,13 @@ def test_verify_rebuilds_the_loader_with_every_option(tmp_path: Path) -> None:
         def make():
             return _loader(num_workers=2)
     """))
-    built = verify_child.build(f"{target}:make")
+    built = verify_loader.build(f"{target}:make")
     assert built.loader.options == loader.options
 
 
 def test_a_torch_loader_is_verified_with_the_default_options() -> None:
     theirs = torch.utils.data.DataLoader(WhatTheWorkerSees(), batch_size=2, num_workers=2)
-    rebuilt = verify_child.rebuild(theirs, theirs.dataset, theirs.collate_fn)
+    rebuilt = verify_loader.rebuild(theirs, theirs.dataset, theirs.collate_fn)
     assert rebuilt.options == Options(logical_workers=2)
 
 

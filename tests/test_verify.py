@@ -17,14 +17,9 @@ import torch
 import snaploader
 from snaploader._tools import verify as _verify
 from snaploader.__main__ import main
-from snaploader._tools.verify_child import (
-    Cut,
-    UsageError,
-    build,
-    leaf_digests,
-    load_factory,
-    split_recorded,
-)
+from snaploader._tools.verify_child import Cut
+from snaploader._tools.verify_loader import UsageError, build, load_factory
+from snaploader._tools.verify_record import leaf_digests, split_recorded
 
 from ._verify_pipelines import DATA_FILE_ENV, Jittered
 

@@ -18,6 +18,8 @@ a file that changes). This command finds out, in fresh processes, as a restart w
       (skipped when the resumed runs agree with the second run: the data changed)
     else a resumed run differs: in its sample indices -> the sampler's state is not
       captured; in its values -> randomness or state snaploader does not capture
+    (--resume-batch-size/--resume-workers: resumed into another topology, compared
+    sample by sample; _tools/verify_samples.py)
 
 Every run is a child process (``_tools/verify_child.py``) in its own session, killed with its
 workers when it outlives ``--timeout-s``; the state files live in a temporary folder
@@ -38,19 +40,21 @@ import textwrap
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from .verify_child import Cut, UsageError
+from . import verify_samples
+from .verify_child import Cut
 from .verify_diagnose import (
     CutResult,
-    Position,
     after,
     diagnose_source,
     first_difference,
+    group_cuts,
     rerun_job,
 )
+from .verify_loader import Topology, UsageError
 
 DEFAULT_CUTS: Final = "1,mid,end,boundary"
 _STDERR_TAIL_CHARS: Final = 2000
@@ -69,6 +73,7 @@ class VerifyOptions:
     kill_worker: bool
     jobs: int
     timeout_s: float
+    topology: Topology | None = None  # --resume-batch-size/--resume-workers: compare samples
 
 
 class Progress:
@@ -179,7 +184,8 @@ class ChildRuns:
 
 
 def _wrap(text: str, first: str, rest: str, width: int = 88) -> str:
-    return textwrap.fill(text, width=width, initial_indent=first, subsequent_indent=rest)
+    return textwrap.fill(text, width=width, initial_indent=first, subsequent_indent=rest,
+                         break_on_hyphens=False)
 
 
 def _table(cuts: list[CutResult]) -> list[str]:
@@ -209,8 +215,10 @@ def _verify_in(
 ) -> int:
     folder = str(runner.folder)
     epochs = f"{options.epochs} epoch{'s' if options.epochs != 1 else ''}"
+    topology = options.topology
+    into = {} if topology is None else {"topology": asdict(topology)}
     progress.step(f"reference run: {epochs}, at most {options.max_batches} batches each")
-    reference = runner.run({"mode": "reference", "cuts": list(options.cuts),
+    reference = runner.run({"mode": "reference", "cuts": list(options.cuts), **into,
                             "strict_cuts": options.strict_cuts, "state_dir": folder,
                             "kill_worker": options.kill_worker}, "reference")
     if not reference["ok"]:
@@ -222,12 +230,14 @@ def _verify_in(
             print(f"snaploader verify: the uninterrupted run of {options.target} failed, so there "
                   f"is nothing to compare; fix the pipeline first.\n{error['message']}", file=err)
         return 2
-    if options.kill_worker and reference["num_workers"] == 0:
+    workers = reference["num_workers"] if topology is None or topology.num_workers is None else topology.num_workers
+    if options.kill_worker and workers == 0:
         progress.done()
-        print("snaploader verify: --kill-worker needs worker processes, and this loader has "
-              "num_workers=0; drop --kill-worker", file=err)
+        whose, other = ("this", "") if topology is None else ("the resumed", ", or give --resume-workers 1 or more")
+        print(f"snaploader verify: --kill-worker needs worker processes, and {whose} loader has "
+              f"num_workers=0; drop --kill-worker{other}", file=err)
         return 2
-    cuts = _group_cuts(reference)
+    cuts = group_cuts(reference)
     if not cuts:
         progress.done()
         print(f"snaploader verify: none of the cuts {','.join(options.cuts)} falls inside this "
@@ -237,18 +247,23 @@ def _verify_in(
     def resume(cut: CutResult) -> CutResult:
         expected = after(reference["batches"], cut.position)
         progress.step(f"resume from cut {','.join(cut.labels)} ({cut.where}) in a fresh process")
+        plan = {} if topology is None else {"plan": verify_samples.plan(reference, cut, topology)}
         result = runner.run({"mode": "resume", "state_path": cut.state_path, "start": list(cut.position),
-                             "kill_worker": options.kill_worker, "expected": len(expected)}, "resume")
+                             "kill_worker": options.kill_worker, "expected": len(expected), **into, **plan},
+                            "resume")
         if not result["ok"]:
             cut.error = result["error"]["message"]
             return cut
-        cut.got = result["batches"]
-        cut.difference = first_difference(expected, cut.got)
-        cut.compared = len(expected) if cut.difference is None else cut.difference.index + 1
         # A note every run makes (the factory returned a torch DataLoader) is the
         # reference's, shown once.
         cut.notes = tuple(f"cut {','.join(cut.labels)}: {note}" for note in result["notes"]
                           if note not in reference["notes"])
+        if topology is not None:
+            verify_samples.compare(reference, cut, result, topology)
+            return cut
+        cut.got = result["batches"]
+        cut.difference = first_difference(expected, cut.got)
+        cut.compared = len(expected) if cut.difference is None else cut.difference.index + 1
         return cut
 
     def again() -> dict[str, Any]:
@@ -261,28 +276,19 @@ def _verify_in(
     results = list(pool.map(resume, cuts))
     rerun = rerun_future.result()
     stable = rerun["ok"] and first_difference(reference["batches"], rerun["batches"]) is None
-    failed = [c for c in results if c.difference is not None or c.error is not None]
-    source = "" if stable and not failed else diagnose_source(
-        reference, rerun, results, lambda seed: runner.run(rerun_job(folder), "rerun", seed), progress.step, pool
-    )
+    failed = [c for c in results if c.failed]
+    if topology is not None and stable and failed:
+        source = verify_samples.diagnose(reference, results, topology)
+    else:
+        source = "" if stable and not failed else diagnose_source(
+            reference, rerun, results, lambda seed: runner.run(rerun_job(folder), "rerun", seed), progress.step, pool
+        )
     progress.done()
     _report(options, reference, results, source, out)
     if source:
         return 1
     # A cut that compared nothing is not a pass: with no other, nothing was verified.
     return 2 if all(cut.empty for cut in results) else 0
-
-
-def _group_cuts(reference: dict[str, Any]) -> list[CutResult]:
-    """One resume per distinct position (1, mid and end coincide in a short epoch)."""
-    by_position: dict[Position, CutResult] = {}
-    for label, saved in reference["saved"].items():
-        position = (saved["epoch"], saved["k"])
-        if position in by_position:
-            by_position[position].labels.append(label)
-        else:
-            by_position[position] = CutResult([label], position, saved["path"])
-    return list(by_position.values())
 
 
 def _skipped(options: VerifyOptions, reference: dict[str, Any]) -> list[str]:
@@ -305,6 +311,8 @@ def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutRes
     print(f"  {reference['kind']}-style dataset, {workers} worker{'s' if workers != 1 else ''}, "
           f"{len(lengths)} epoch{'s' if len(lengths) != 1 else ''} of {shape}"
           + (", a worker SIGKILLed in each resumed run" if options.kill_worker else ""), file=out)
+    if options.topology is not None:
+        print(f"  each cut resumed into {options.topology.words()}, compared sample by sample", file=out)
     print("", file=out)
     for line in _table(cuts):
         print(line, file=out)
@@ -313,21 +321,24 @@ def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutRes
         print("\nnotes:", file=out)
         for note in notes:
             print(_wrap(note, "  - ", "    "), file=out)
-    failed = [c for c in cuts if c.difference is not None or c.error is not None]
+    failed = [c for c in cuts if c.failed]
     if not source:
         checked = [c for c in cuts if not c.empty]
         compared = sum(c.compared for c in checked)
-        if checked:
+        if checked and options.topology is not None:
+            print("\n" + verify_samples.summary(cuts, options.topology), file=out)
+        elif checked:
             print(f"\nresumes exactly: {compared} batches compared after {len(checked)} cut"
                   f"{'s' if len(checked) != 1 else ''}, every one identical to the uninterrupted run; "
                   "a second uninterrupted run in a fresh process is identical too.", file=out)
         empty = [",".join(c.labels) for c in cuts if c.empty]
         if empty:
             print("", file=out)
+            why = " (see the notes)." if any(c.unchecked for c in cuts) else (
+                ", because the run ends there; raise --epochs (or --max-batches) to check a resume from there.")
             print(_wrap(f"{'nothing checked' if not checked else 'not checked'}: cut"
-                        f"{'s' if len(empty) != 1 else ''} {', '.join(empty)} compared nothing, "
-                        "because the run ends there; raise --epochs (or --max-batches) to check "
-                        "a resume from there.", "", ""), file=out)
+                        f"{'s' if len(empty) != 1 else ''} {', '.join(empty)} compared nothing{why}", "", ""),
+                  file=out)
         return
     print("\ndiagnosis:", file=out)
     for cut in failed:
@@ -336,39 +347,33 @@ def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutRes
             for line in cut.error.rstrip().splitlines()[-12:]:
                 print(f"    | {line}", file=out)
             continue
-        assert cut.difference is not None
-        print(f"    first difference at {cut.difference.where}", file=out)
-        for line in cut.difference.describe():
+        if cut.samples is not None:
+            lines = cut.samples.describe()
+        else:
+            assert cut.difference is not None
+            lines = [f"first difference at {cut.difference.where}", *cut.difference.describe()]
+        for line in lines:
             print(f"    {line}", file=out)
     print("", file=out)
     print(_wrap(source, "  => ", "     "), file=out)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} should be 1 or more")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="MODULE:FACTORY",
                         help="a function that returns your loader (a snaploader or torch DataLoader); "
                              "MODULE is a dotted module name or a path to a .py file")
-    parser.add_argument("--epochs", type=_positive, default=2, help="epochs in each run (default 2)")
-    parser.add_argument("--max-batches", type=_positive, default=64,
+    parser.add_argument("--epochs", type=verify_samples.at_least(1), default=2, help="epochs in each run (default 2)")
+    parser.add_argument("--max-batches", type=verify_samples.at_least(1), default=64,
                         help="at most this many batches per epoch (default 64)")
     parser.add_argument("--cuts", default=None,
                         help=f"where to checkpoint, comma-separated: a batch count, first, mid, end or "
                              f"boundary, each optionally @EPOCH (default {DEFAULT_CUTS})")
     parser.add_argument("--kill-worker", action="store_true",
                         help="SIGKILL a worker during each resumed run, after its first batch (needs num_workers >= 1)")
-    parser.add_argument("--jobs", type=_positive, default=2, help="runs at a time (default 2)")
+    parser.add_argument("--jobs", type=verify_samples.at_least(1), default=2, help="runs at a time (default 2)")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="seconds one run may take before it is killed (default 600)")
+    verify_samples.add_arguments(parser)
 
 
 def options_from(args: argparse.Namespace) -> VerifyOptions:
@@ -387,7 +392,7 @@ def options_from(args: argparse.Namespace) -> VerifyOptions:
         raise UsageError(f"target {args.target!r} should be MODULE:FACTORY, e.g. mypackage.data:make_loader "
                          "or path/to/pipeline.py:make_loader")
     return VerifyOptions(args.target, args.epochs, args.max_batches, texts, args.cuts is not None,
-                   args.kill_worker, args.jobs, args.timeout_s)
+                         args.kill_worker, args.jobs, args.timeout_s, verify_samples.topology_from(args))
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -20,6 +20,14 @@ Protocol (JOB -> OUT):
   ``message``}. On success: ``batches`` (one record per batch: epoch, k, digest, leaf
   digests and, for map-style datasets, the sample indices), ``epochs`` (batches read
   and whether it ended, per epoch), ``saved`` (cut label -> state file), ``notes``.
+- With ``topology`` (``{"batch_size", "num_workers"}``, None for the loader's own; see
+  ``_tools/verify_samples.py``): the reference run checks that the loader can be
+  resumed into it and compared sample by sample (a usage error if not), and both modes
+  add to each batch record ``samples``, the digests of each of its samples. The resume
+  builds the loader in that topology, loads with ``allow_mismatch=("batch_size",)``,
+  and reads each epoch as ``plan`` says (``want`` samples, or to the epoch's end).
+  OUT also holds the loader's ``batch_size``, ``drop_last``, ``seed_per_sample``,
+  ``logical_workers`` and sampler ``items`` per epoch.
 - The process's environment carries ``SNAPLOADER_VERIFY_PHASE`` (set by the parent:
   reference, resume or rerun) for factories that want to know.
 """
@@ -27,8 +35,6 @@ Protocol (JOB -> OUT):
 from __future__ import annotations
 
 import gc
-import importlib
-import importlib.util
 import json
 import os
 import signal
@@ -42,23 +48,13 @@ from typing import Any, Final
 
 import psutil
 import torch
-import torch.utils.data as torch_data
 
 from .._errors import WorkerRespawnedWarning
-from .._loader import DataLoader
-from .verify_record import (
-    RecordingCollate,
-    leaf_digests,
-    plain_index,
-    record_indices,
-    split_recorded,
-)
+from .verify_loader import Built, Topology, UsageError, build
+from .verify_record import Unsplittable, leaf_digests, plain_index, sample_digests, split_recorded
 
 CUT_NAMES: Final = ("first", "mid", "end", "boundary")
 
-
-class UsageError(Exception):
-    """The target, the factory or an option is wrong; the message says how to fix it."""
 
 
 # -- cut points -----------------------------------------------------------------------
@@ -117,151 +113,32 @@ class Cut:
         return self.epoch, k
 
 
-# -- the user's loader ----------------------------------------------------------------
-
-
-def load_factory(target: str) -> Callable[[], Any]:
-    """The FACTORY of ``MODULE:FACTORY``; MODULE a dotted name or a path to a .py file."""
-    module_text, sep, name = target.rpartition(":")
-    if not sep or not module_text or not name.isidentifier():
-        raise UsageError(
-            f"target {target!r} should be MODULE:FACTORY, e.g. mypackage.data:make_loader "
-            "or path/to/pipeline.py:make_loader"
-        )
-    if module_text.endswith(".py"):
-        path = Path(module_text).resolve()
-        if not path.is_file():
-            raise UsageError(f"{module_text}: no such file; give the path of the .py file that defines {name}")
-        # Imported under its own name from its own folder, as `python file.py` would
-        # find it, so that spawned workers can import it again by that name.
-        sys.path.insert(0, str(path.parent))
-        module_name = path.stem
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            raise UsageError(f"importing {module_text} failed: {exc}") from exc
-        if Path(getattr(module, "__file__", "") or "").resolve() != path:
-            raise UsageError(
-                f"{module_text}: its name {module_name!r} is already taken by {module!r}; "
-                "rename the file or pass it as a dotted module name"
-            )
-    else:
-        try:
-            found = importlib.util.find_spec(module_text)
-        except (ImportError, ValueError) as exc:
-            found = None
-            reason = str(exc)
-        else:
-            reason = "not found"
-        if found is None:
-            raise UsageError(
-                f"module {module_text!r}: {reason} (searched from {os.getcwd()}); run from the "
-                "folder that contains it, add that folder to PYTHONPATH, or give a .py path"
-            )
-        module = importlib.import_module(module_text)
-    factory = getattr(module, name, None)
-    if factory is None:
-        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n]))
-        raise UsageError(f"{module_text} has no {name!r}; its callables are {public}")
-    if not callable(factory):
-        raise UsageError(f"{module_text}:{name} is a {type(factory).__name__}, not a function that returns a loader")
-    return factory  # type: ignore[no-any-return]
-
-
-def _torch_shuffle_and_sampler(loader: torch_data.DataLoader[Any]) -> tuple[bool | None, Any]:
-    """(shuffle, sampler) arguments that rebuild ``loader``'s sampler."""
-    sampler = loader.sampler
-    if isinstance(loader.dataset, torch_data.IterableDataset):
-        return None, None
-    if type(sampler) is torch_data.RandomSampler and not sampler.replacement and (
-        sampler._num_samples is None and sampler.generator is loader.generator
-    ):
-        return True, None
-    if type(sampler) is torch_data.SequentialSampler:
-        return None, None
-    return None, sampler
-
-
-def rebuild(loader: torch_data.DataLoader[Any], dataset: Any, collate_fn: Any) -> DataLoader:
-    """A snaploader DataLoader with ``loader``'s arguments, ``dataset`` and ``collate_fn``."""
-    custom_batches = loader.batch_size is None and loader.batch_sampler is not None
-    shuffle, sampler = (None, None) if custom_batches else _torch_shuffle_and_sampler(loader)
-    workers = loader.num_workers
-    # snaploader's own options, all of them: a torch loader has none (the defaults).
-    own = loader.options.arguments() if isinstance(loader, DataLoader) else {}
-    return DataLoader(
-        dataset,
-        batch_size=1 if custom_batches else loader.batch_size,
-        shuffle=shuffle,
-        sampler=sampler,
-        batch_sampler=loader.batch_sampler if custom_batches else None,
-        num_workers=workers,
-        collate_fn=collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=False if custom_batches else loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context if workers else None,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if workers else None,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=getattr(loader, "pin_memory_device", ""),
-        in_order=getattr(loader, "in_order", True),
-        **own,
-    )
-
-
-@dataclass
-class Built:
-    loader: DataLoader
-    kind: str  # "map" or "iterable"
-    recorded: bool  # sample indices are recorded
-    notes: list[str]
-
-
-def build(target: str) -> Built:
-    factory = load_factory(target)
-    made = factory()
-    if not isinstance(made, torch_data.DataLoader):
-        raise UsageError(
-            f"{target}() returned a {type(made).__module__}.{type(made).__qualname__}; it "
-            "should return a snaploader.DataLoader (or a torch DataLoader, whose arguments "
-            "verify reuses)"
-        )
-    notes = []
-    if not isinstance(made, DataLoader):
-        notes.append(
-            f"{target}() returned a torch DataLoader: verify checks the snaploader "
-            "DataLoader built with its arguments"
-        )
-    dataset = made.dataset
-    iterable = isinstance(dataset, torch_data.IterableDataset)
-    recorded = False
-    collate_fn = made.collate_fn
-    if not iterable:
-        recorded = record_indices(dataset)
-        if recorded:
-            collate_fn = RecordingCollate(made.collate_fn)
-        else:
-            notes.append(f"sample indices not recorded: a {type(dataset).__qualname__} cannot be wrapped")
-    loader = rebuild(made, dataset, collate_fn)
-    return Built(loader, "iterable" if iterable else "map", recorded, notes)
-
-
 # -- the runs -------------------------------------------------------------------------
 
 
 class _Recorder:
-    def __init__(self) -> None:
+    def __init__(self, samples: bool = False) -> None:
         self.batches: list[dict[str, Any]] = []
+        self.samples = samples  # also record each sample's digests (a resume into another topology)
 
     def add(self, epoch: int, k: int, batch: Any) -> None:
         indices, batch = split_recorded(batch)
         digest, leaves = leaf_digests(batch)
-        self.batches.append({
+        record = {
             "epoch": epoch, "k": k, "digest": digest, "leaves": leaves,
             "indices": None if indices is None else [plain_index(i) for i in indices],
-        })
+        }
+        if self.samples and indices is not None:
+            try:
+                record["samples"] = sample_digests(batch, len(indices))
+            except Unsplittable as exc:
+                raise UsageError(
+                    f"--resume-batch-size/--resume-workers compare samples, and verify cannot cut "
+                    f"batch {k - 1} of epoch {epoch} into its {len(indices)} samples: {exc}. Have "
+                    "collate_fn return tensors, arrays, dicts, lists or tuples of them whose first "
+                    "dimension is the batch (pad variable lengths), or verify without these options"
+                ) from None
+        self.batches.append(record)
 
 
 def _read_epoch(
@@ -312,7 +189,7 @@ def _worker_pids() -> list[int]:
 
 def run_reference(job: dict[str, Any], built: Built) -> dict[str, Any]:
     loader, epochs, max_batches = built.loader, job["epochs"], job["max_batches"]
-    recorder = _Recorder()
+    recorder = _Recorder(samples="topology" in job)
     states: dict[tuple[int, int | None], dict[str, Any]] = {}
 
     def keep(epoch: int, k: int) -> None:
@@ -342,14 +219,34 @@ def run_reference(job: dict[str, Any], built: Built) -> dict[str, Any]:
     return {"batches": recorder.batches, "lengths": lengths, "ended": ended, "saved": saved}
 
 
+def _read_samples(
+    iterator: Iterator[Any], epoch: int, read: dict[str, Any], recorder: _Recorder,
+    after_batch: Callable[[int, int], None],
+) -> None:
+    """Read batches of ``epoch`` until they hold ``read["want"]`` samples (None: until the
+    epoch ends), or ``read["cap"]`` batches were read (then the comparison finds too many);
+    the first is numbered ``read["first_k"]`` (from 0)."""
+    got, k = 0, read["first_k"]
+    while k - read["first_k"] < read["cap"] and (read["want"] is None or got < read["want"]):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        k += 1
+        recorder.add(epoch, k, batch)
+        got += len(recorder.batches[-1]["indices"])
+        after_batch(epoch, k)
+
+
 def run_resume(job: dict[str, Any], built: Built) -> dict[str, Any]:
     loader, epochs, max_batches = built.loader, job["epochs"], job["max_batches"]
     if job["kill_worker"] and loader.num_workers == 0:
         raise UsageError("--kill-worker needs worker processes, and this loader has num_workers=0; drop --kill-worker")
     state = torch.load(job["state_path"], weights_only=True)
-    loader.load_state_dict(state)
+    topology = job.get("topology")
+    loader.load_state_dict(state, allow_mismatch=("batch_size",) if topology and topology["batch_size"] else ())
     start_epoch, start_k = job["start"]
-    recorder = _Recorder()
+    recorder = _Recorder(samples=topology is not None)
     notes: list[str] = []
     # Right after the first batch, while the workers still have prefetched work ahead:
     # half-way through a short run, the worker may have produced all it ever will.
@@ -368,19 +265,39 @@ def run_resume(job: dict[str, Any], built: Built) -> dict[str, Any]:
     first = start_epoch if start_k is not None else start_epoch + 1
     for epoch in range(first, epochs):
         iterator = iter(loader)
-        already = start_k if epoch == start_epoch and start_k is not None else 0
-        _read_epoch(iterator, epoch, already, max_batches, recorder, maybe_kill)
+        if topology is not None:
+            if epoch - first == len(job["plan"]):
+                break  # the epochs after one left part-way are not compared
+            _read_samples(iterator, epoch, job["plan"][epoch - first], recorder, maybe_kill)
+        else:
+            already = start_k if epoch == start_epoch and start_k is not None else 0
+            _read_epoch(iterator, epoch, already, max_batches, recorder, maybe_kill)
         del iterator
     return {"batches": recorder.batches, "notes": notes}
 
 
+def _items(loader: Any) -> int | None:
+    """Sampler items per epoch, when the loader's sampler knows."""
+    try:
+        return len(loader.sampler)
+    except TypeError:
+        return None
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     try:
-        built = build(job["target"])
+        topology = job.get("topology")
+        built = build(job["target"], None if topology is None else Topology(**topology),
+                      resumed=job["mode"] == "resume")
+        loader = built.loader
         built_notes, facts = built.notes, {
-            "kind": built.kind, "num_workers": built.loader.num_workers, "recorded": built.recorded,
-            "generator": built.loader.generator is not None,
+            "kind": built.kind, "num_workers": loader.num_workers, "recorded": built.recorded,
+            "generator": loader.generator is not None, "batch_size": loader.batch_size,
+            "drop_last": loader.drop_last, "seed_per_sample": loader.seed_per_sample,
+            "logical_workers": loader.logical_workers, "persistent_workers": loader.persistent_workers,
+            "items": None if built.kind == "iterable" else _items(loader),
         }
+        del loader
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if job["mode"] == "reference":

@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from .verify_samples import SampleDifference
 
 Position = tuple[int, int | None]  # (epoch, batches consumed); None: the epoch ended
 
@@ -102,6 +105,8 @@ class CutResult:
     difference: Difference | None = None
     error: str | None = None
     notes: tuple[str, ...] = ()
+    samples: SampleDifference | None = None  # compared sample by sample (_tools/verify_samples.py)
+    unchecked: str = ""  # why nothing was compared, where the run goes on (the notes say more)
 
     @property
     def where(self) -> str:
@@ -111,9 +116,13 @@ class CutResult:
         return f"epoch {epoch}, after {k} batch{'es' if k != 1 else ''}"
 
     @property
+    def failed(self) -> bool:
+        return self.error is not None or self.difference is not None or self.samples is not None
+
+    @property
     def empty(self) -> bool:
         """Nothing was compared: the run ends at this cut, so it checks nothing."""
-        return self.error is None and self.difference is None and not self.compared
+        return not self.failed and not self.compared
 
     @property
     def verdict(self) -> str:
@@ -121,9 +130,23 @@ class CutResult:
             return "resumed run failed"
         if self.difference is not None:
             return f"DIFFERS from {self.difference.where}"
+        if self.samples is not None:
+            return self.samples.verdict
         if self.empty:
-            return "nothing to compare: the run ends here"
+            return self.unchecked or "nothing to compare: the run ends here"
         return "identical"
+
+
+def group_cuts(reference: dict[str, Any]) -> list[CutResult]:
+    """One resume per distinct position (1, mid and end coincide in a short epoch)."""
+    by_position: dict[Position, CutResult] = {}
+    for label, saved in reference["saved"].items():
+        position = (saved["epoch"], saved["k"])
+        if position in by_position:
+            by_position[position].labels.append(label)
+        else:
+            by_position[position] = CutResult([label], position, saved["path"])
+    return list(by_position.values())
 
 
 # -- the diagnosis --------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""``snaploader verify``'s records of a batch: digests of every leaf, and the sample
-indices of a map-style dataset, recorded by tagging its items (see ``_tools/verify_child.py``)."""
+"""``snaploader verify``'s records of a batch: digests of every leaf, the sample indices
+of a map-style dataset, recorded by tagging its items (see ``_tools/verify_loader.py``),
+and, for a resume into another batch size, the digests of each sample the batch holds."""
 
 from __future__ import annotations
 
@@ -117,3 +118,78 @@ def plain_index(index: Any) -> Any:
     if isinstance(index, torch.Tensor) and index.numel() == 1:
         return int(index.item())
     return repr(index)
+
+
+# -- a batch split into samples (for a resume into another batch size) -----------------
+
+
+class Unsplittable(ValueError):
+    """A batch that cannot be cut into its samples along the first dimension."""
+
+
+_SCALARS: Final = (str, bytes, int, float, bool, type(None))
+
+
+def sample_digests(batch: Any, n: int) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(digest, [(path, digest)] of each part) of each of the ``n`` samples of a collated
+    batch: a tensor or array is cut along dim 0, a dict by key, a list or tuple into its
+    fields, a list of ``n`` plain values (strings, as default_collate leaves them) into
+    its items; a list of ``n`` items that do not cut into fields is taken as the samples
+    themselves (a collate_fn that returns them as they are). A sample's digests do not
+    depend on which batch it came in, so runs batched differently compare."""
+    parts: list[list[tuple[str, str]]] = [[] for _ in range(n)]
+    shapes: list[str] = []
+
+    def leaf(path: str, head: str, bodies: list[bytes]) -> None:
+        named = "sample" + path.removeprefix("batch")
+        for j, body in enumerate(bodies):
+            h = hashlib.sha256(head.encode())
+            h.update(body)
+            parts[j].append((named, h.hexdigest()))
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            shape = tuple(value.shape)
+            if isinstance(value, np.ndarray) and value.dtype == object:
+                raise Unsplittable(f"{path} is a NumPy array of Python objects")
+            if not shape or shape[0] != n:
+                raise Unsplittable(
+                    f"{path} is a {type(value).__name__} of shape {shape}, whose first dimension "
+                    f"is not the batch's {n} samples"
+                )
+            if isinstance(value, torch.Tensor):
+                leaf(path, f"tensor {value.dtype} {shape[1:]}", [_tensor_bytes(row) for row in value])
+            else:
+                leaf(path, f"ndarray {value.dtype} {shape[1:]}", [np.ascontiguousarray(row).tobytes() for row in value])
+        elif isinstance(value, dict):
+            shapes.append(f"{path}\0{type(value).__qualname__}({len(value)})")
+            for key, item in value.items():
+                walk(f"{path}[{key!r}]", item)
+        elif isinstance(value, (list, tuple)) and len(value) == n and all(isinstance(v, _SCALARS) for v in value):
+            leaf(path, "value", [f"{type(v).__qualname__} {v!r}".encode() for v in value])
+        elif isinstance(value, (list, tuple)):
+            shapes.append(f"{path}\0{type(value).__qualname__}({len(value)})")
+            for i, item in enumerate(value):
+                walk(f"{path}[{i}]", item)
+        else:
+            raise Unsplittable(f"{path} is a {type(value).__qualname__} ({_short_repr(value)}), one value for the whole batch")
+
+    try:
+        walk("batch", batch)
+    except Unsplittable:
+        if not (isinstance(batch, (list, tuple)) and len(batch) == n):
+            raise
+        return [_whole(leaf_digests(item)) for item in batch]
+    structure = "\n".join(shapes)
+    return [_whole((hashlib.sha256("\n".join([structure] + [f"{p}\0{d}" for p, d in own]).encode()).hexdigest(), own))
+            for own in parts]
+
+
+def _whole(digests: tuple[str, list[tuple[str, str]]]) -> tuple[str, list[tuple[str, str]]]:
+    whole, leaves = digests
+    return whole, [(path.replace("batch", "sample", 1), d) for path, d in leaves]
+
+
+def _short_repr(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
