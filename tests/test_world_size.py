@@ -721,3 +721,18 @@ def test_four_gloo_ranks_on_three_with_a_new_per_rank_batch_match_sample_for_sam
     assert got and set(got) <= set(expected)
     for index, row in got.items():
         assert torch.equal(row, expected[index]), f"sample {index} differs"
+
+
+def test_a_mid_epoch_checkpoint_of_an_epoch_resumed_into_another_batch_size_is_refused() -> None:
+    """Its ranks' batches are cut at another size than the old world's positions count,
+    so reshard refuses it (naming what to do) rather than deal the wrong samples."""
+    run = _old_run(_factory(31, batch_size=3), 31, 4, cut=1)
+    rebatched = []
+    for rank, state in enumerate(run.states):
+        sampler = DistributedSampler(Augmented(31), num_replicas=4, rank=rank, shuffle=True, seed=5)
+        loader = _factory(31, batch_size=2)(sampler)
+        loader.load_state_dict(state, allow_mismatch=("batch_size",))
+        take(iter(loader), 1)
+        rebatched.append(loader.state_dict())
+    with pytest.raises(snaploader.CheckpointMismatchError, match="resumed with another batch_size or dataset length"):
+        reshard(rebatched, _factory(31, batch_size=2), rank=0, world_size=3)
