@@ -217,6 +217,11 @@ _ENCODER: Final = None if c_make_encoder is None else c_make_encoder(
 
 def piece(value: Any) -> str:
     """``value``'s canonical JSON, as ``_canonical`` makes it (as text)."""
+    kind = type(value)
+    if kind is int:
+        return int.__repr__(value)  # what json writes for an int, without a call into it
+    if value is None or kind is bool:
+        return "null" if value is None else "true" if value else "false"
     if _ENCODER is None:
         return _canonical(value).decode("ascii")
     return "".join(_ENCODER(value, 0))
@@ -227,9 +232,21 @@ def blob_piece(text: str | None) -> str:
     return "null" if text is None else '"' + text + '"'
 
 
+# A key's canonical JSON with its colon: a checkpoint has a few dozen keys, written again
+# at every call.
+_KEYS: dict[str, str] = {}
+
+
+def _key(key: str) -> str:
+    made = _KEYS.get(key)
+    if made is None:
+        made = _KEYS[key] = encode_basestring_ascii(key) + ":"
+    return made
+
+
 def joined(pieces: dict[str, str]) -> str:
     """The canonical JSON of a str-keyed dict whose values' canonical JSON is ``pieces``."""
-    return "{" + ",".join([encode_basestring_ascii(key) + ":" + pieces[key] for key in sorted(pieces)]) + "}"
+    return "{" + ",".join([_key(key) + pieces[key] for key in sorted(pieces)]) + "}"
 
 
 def sha256_text(canonical: str) -> str:
