@@ -46,7 +46,7 @@ class Snapshot:
     exhausted: bool = False
     objects: bytes | None = None
     report: RngReport | None = None
-    sealed: Any = field(default=None, compare=False, repr=False)
+    sealed: Any = field(default=None, init=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
