@@ -12,7 +12,8 @@ from typing import Any, Final, Generic, TypeVar
 import torch
 import torch.utils.data as torch_data
 
-from ._format.codec import build_state, copy_state, read_state
+from ._format.build import build_state, copy_state
+from ._format.codec import read_state
 from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
 from ._format.schema import LoaderFacts
 from ._epoch.iterator import SnapIterator

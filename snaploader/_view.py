@@ -28,7 +28,7 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._format.codec import build_state
+from ._format.build import build_state
 from ._rng.capture import RngSource
 from ._state.ledger import EpochProgress, Position
 from ._state.published import Seen

@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 from torch.utils.data import RandomSampler, default_collate
 
 import snaploader
+from snaploader._format import checkpoint as _checkpoint
+from snaploader._format.checkpoint import _canonical, joined, piece
 
-from ._datasets import Augmented
+from ._datasets import Augmented, StatefulSampler
 from ._fuzz import CONFIGS, Case, assert_resumes, build_case, check_one
 from ._support import assert_same_stream, epochs, generator, mp_helpers, through_bytes  # noqa: F401
 
@@ -215,3 +217,130 @@ def test_a_returned_state_never_changes_and_shares_nothing(num_workers: int) -> 
     states[1]["workers"][0]["yielded"]["produced"] = 99
     loaded.state_dict()["workers"][0]["yielded"]["produced"] = 98
     assert json.dumps(loaded.state_dict()) == as_taken[1]
+
+
+class _NestedState(torch.utils.data.Dataset[torch.Tensor]):
+    """Draws from the worker's RNGs, and has its own state of every kind a user's
+    state_dict() may hold (nested, floats, non-ASCII text, bytes, a tuple, int keys)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seen: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.seen.append(index)
+        return torch.rand(2) + index
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": list(self.seen), "mean": sum(self.seen) / max(1, len(self.seen)) + 0.1,
+                "name": "caf\u00e9 \u2603", "raw": b"\x00\xff", "pair": (1, "a"), "by_index": {3: [-0.0, 1e300]}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = list(state["seen"])
+
+
+def _states_of_every_shape(num_workers: int) -> list[dict[str, Any]]:
+    """States before any epoch, mid-epoch, at an epoch's end and loaded, from a loader
+    whose dataset and sampler have states of their own."""
+    def make() -> snaploader.DataLoader:
+        return snaploader.DataLoader(
+            _NestedState(12), batch_size=2, sampler=StatefulSampler(12, 5), num_workers=num_workers,
+            generator=generator(4), persistent_workers=num_workers > 0,
+        )
+
+    loader = make()
+    states = [loader.state_dict()]
+    iterator = iter(loader)
+    next(iterator)
+    states.append(loader.state_dict())
+    next(iterator)
+    states.append(loader.state_dict())
+    list(iterator)
+    states.append(loader.state_dict())
+    loaded = make()
+    loaded.load_state_dict(states[2])
+    states.append(loaded.state_dict())
+    return states
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_digest_state_dict_writes_is_the_one_a_load_checks(num_workers: int) -> None:
+    # state_dict() joins the digest from pieces (NOTE [ canonical pieces ]); a load, and
+    # resign(), compute it with json.dumps over the whole state: they must agree
+    # whatever the state holds.
+    for state in _states_of_every_shape(num_workers):
+        assert state["digest"] == _checkpoint.resign(state)["digest"], (state["epoch"], state["yielded"])
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(value=_JSON_VALUES)
+def test_a_piece_is_the_canonical_json_a_load_hashes(value: Any) -> None:
+    assert piece(value).encode() == _canonical(value)
+    if isinstance(value, dict):
+        assert joined({key: piece(item) for key, item in value.items()}).encode() == _canonical(value)
+
+
+def _changed_base64(text: str) -> str:
+    """``text`` with one character changed to another base64 character: still a
+    well-formed blob, another state."""
+    at = len(text) // 2
+    return text[:at] + ("A" if text[at] != "A" else "B") + text[at + 1:]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_corrupted_blob_is_caught_by_the_digest(num_workers: int) -> None:
+    loader = snaploader.DataLoader(
+        Augmented(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(3)
+    )
+    iterator = iter(loader)
+    next(iterator)
+    next(iterator)
+    state = loader.state_dict()
+    del iterator
+    corruptions: list[Callable[[dict[str, Any]], None]] = [
+        lambda s: s["workers"][0]["yielded"].update(rng=_changed_base64(s["workers"][0]["yielded"]["rng"])),
+        lambda s: s.update(rng_start=_changed_base64(s["rng_start"])),
+    ]
+    for corrupt in corruptions:
+        bad = json.loads(json.dumps(state))
+        corrupt(bad)
+        assert bad != state
+        fresh = snaploader.DataLoader(
+            Augmented(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(3)
+        )
+        with pytest.raises(snaploader.CheckpointFormatError, match=r"\['digest'\].*modified"):
+            fresh.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_editing_a_returned_state_changes_nothing_the_loader_returns_next(num_workers: int) -> None:
+    # The state is copied out of what the loader keeps (each snapshot made plain once);
+    # the copy must go as deep as the user's own state.
+    loader = snaploader.DataLoader(
+        _NestedState(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(4),
+        persistent_workers=num_workers > 0,
+    )
+    iterator = iter(loader)
+    next(iterator)
+    next(iterator)
+    first = loader.state_dict()
+    as_taken = json.dumps(first)
+    first["workers"][0]["yielded"]["data"]["seen"].append(99)
+    first["workers"][0]["yielded"]["data"]["mean"] = 0.0
+    first["workers"][0]["yielded"]["rng"] = "edited"
+    first["workers"][0]["skipped"] = 5
+    first["fingerprint"]["batch_size"] = 7
+    first["next_batches"].append(None)
+    first["workers"].pop()
+    assert json.dumps(loader.state_dict()) == as_taken
+    del iterator

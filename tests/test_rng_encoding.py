@@ -1,5 +1,5 @@
 """A worker's RNG states in a checkpoint: written raw, as the worker captured them
-(NOTE [ raw RNG states ] in ``_format/codec.py``), and read either raw or as the twist
+(NOTE [ raw RNG states ] in ``_format/build.py``), and read either raw or as the twist
 codes of older checkpoints (``_rng/twist.py``: where a state is on its seed's path).
 Codes expand exactly for every twist count and position tried, with gaussian caches
 set; a resume through a JSON checkpoint is exact, from raw states and from the same

@@ -1,5 +1,6 @@
-"""The checkpoint built from the ledger (:func:`build_state`), and a loader state read
-back into the start of an epoch (:func:`read_state`: parse, compare, plan).
+"""The checkpoint's layout, and a loader state read back into the start of an epoch
+(:func:`read_state`: parse, compare, plan). ``_format/build.py`` builds it from the
+ledger (``state_dict()``).
 
 A checkpoint is JSON-safe plain data (dict with str keys, list, str, int, float, bool,
 None; ``_format/plain.py``), so ``json.dumps`` and ``torch.load(weights_only=True)`` both take
@@ -13,7 +14,8 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
 
     format         "snaploader"
     version        3
-    digest         "sha256:<hex>" over the rest (see :func:`digest_of`)
+    digest         "sha256:<hex>" over the canonical JSON of the rest, each ledger
+                   replaced by the SHA-256 of its own (checkpoint.digest_of)
     fingerprint    {dataset_kind, dataset_length, batch_size, num_workers, drop_last,
                     sampler, batch_sampler, persistent_workers, generator,
                     distributed}: distributed is torch's DistributedSampler's
@@ -70,157 +72,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import plain as _plain
-from .checkpoint import FORMAT, SAME_AS_YIELDED, VERSION, Checkpoint, check_user_depth, digest_of, sha256_of
+from .checkpoint import Checkpoint
 from .fingerprint import Fingerprint, check_fingerprint
 from .parse import parse
 from .schema import LoaderFacts, check_consistent
 from .._errors import CheckpointFormatError
 from .._state.ledger import EpochStart, WorkerLedger
-from .._state.published import Seen
 from .._state.records import Snapshot
-from .._rng.capture import RngSource, rng_bytes
 from .._rng.twist import expand_for, has_codes
-
-# -- building a checkpoint ---------------------------------------------------------------
-
-# NOTE [ raw RNG states ]
-# state_dict() copies what the ledger holds; it searches, decodes and encodes nothing
-# whose cost grows with how much a worker drew. A worker's RNG states go in as the
-# worker captured them (_rng/capture.py: 2.5 KB for each moved generator, a flags bit
-# for one still at its seed state), base64'd once per ledger: about 10 KB a worker in
-# the checkpoint whatever the dataset draws. Storing where a state is on its seed's
-# path instead (_rng/twist.py, about 30 bytes) needs a search that walks every twist
-# drawn (~1.4 us per 624 words), on this thread or, within a per-batch budget, in the
-# worker, where a pipeline drawing 10,000 32-bit words a batch already outruns the
-# 20 us a snapshot may cost (docs/performance.md). So checkpoints hold the raw states,
-# and the twist codes of older checkpoints are still read.
-
-
-def _snapshot_to_plain(snapshot: Snapshot, where: str) -> dict[str, Any]:
-    if snapshot.data is not None:
-        _plain.check_plain(snapshot.data, f"{where}['data']")
-    data = _plain.encode(snapshot.data)
-    check_user_depth(data, f"{where}['data']")
-    return {
-        # The states as the worker captured them (NOTE [ raw RNG states ]).
-        "rng": _plain.b64(rng_bytes(snapshot.rng)),
-        "produced": snapshot.produced,
-        "data": data,
-        "data_owner": snapshot.data_owner,
-        "complete": snapshot.complete,
-        "exhausted": snapshot.exhausted,
-        "objects": None if snapshot.objects is None else _plain.b64(snapshot.objects),
-    }
-
-
-def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any], str]:
-    """A ledger as plain data and its digest, computed once per (immutable) ledger."""
-    if ledger.cache and ledger.cache[0][0]["worker"] == worker:
-        return ledger.cache[0]
-    ledger.cache.clear()
-    where = f"worker {worker}'s state"
-
-    def plain(snapshot: Snapshot | None, key: str) -> dict[str, Any] | None:
-        return None if snapshot is None else _snapshot_to_plain(snapshot, f"{where}[{key!r}]")
-
-    at = ledger.yielded
-    # Resuming from a complete snapshot needs nothing else: keep the epoch start only
-    # when nothing was yielded yet or a replay starts from it (half the size with
-    # persistent workers, whose epoch start is a full snapshot).
-    needs_start = at is None or not at.complete
-    same = ledger.yielded_complete is at and at is not None
-    start = plain(ledger.epoch_start, "epoch_start") if needs_start else None
-    complete = SAME_AS_YIELDED if same else plain(ledger.yielded_complete, "yielded_complete")
-    out = {
-        "worker": worker,
-        "epoch_start": start,
-        "yielded": plain(at, "yielded"),
-        "yielded_complete": complete,
-        "exhausted": ledger.exhausted,
-        "skipped": ledger.skipped,
-    }
-    entry = (out, sha256_of(out))
-    ledger.cache.append(entry)
-    return entry
-
-
-def copy_state(value: Any) -> Any:
-    """A copy of plain data (a checkpoint) sharing no dict or list with ``value``: what a
-    loader hands out never changes when the loader goes on, nor what it keeps when the
-    caller edits what it was given (an async checkpoint writer relies on the first)."""
-    if isinstance(value, dict):
-        return {key: copy_state(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [copy_state(item) for item in value]
-    return value
-
-
-def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical: int) -> dict[str, Any]:
-    """The checkpoint of a loader of ``logical`` logical workers whose current (or
-    last) epoch is ``seen.progress``, at ``seen.position``; with ``seen.rng_next``, the
-    state ``source``'s next epoch draws from, when the epoch has ended (both read
-    together by ``Publisher.read``: NOTE [ epoch start ] in _state/published.py); or
-    a copy of ``seen.loaded``, the checkpoint loaded and not yet started."""
-    if seen.loaded is not None:
-        return copy_state(seen.loaded)
-    progress, position = seen.progress, seen.position
-    state: dict[str, Any] = {
-        "format": FORMAT,
-        "version": VERSION,
-        "fingerprint": copy_state(dict(fingerprint.values)),
-        "rng_kind": source.kind,
-    }
-    ledgers: list[tuple[dict[str, Any], str]] = []
-    next_batches: list[dict[str, Any] | None] = []
-    if progress is None:
-        state.update(
-            epoch=-1, ended=True, yielded=0, turn=0, rng_start=None,
-            base_seed=None, drew_base_seed=True, shared_seed=None, sampler_state=None, sampler_epoch=None,
-            skip=0, logical_workers=logical, in_order=True,
-        )
-    else:
-        position = progress.position if position is None else position
-        sampler_state = position.sampler_state
-        if sampler_state is not None:
-            _plain.check_plain(sampler_state["state"], "the sampler's state_dict()")
-            encoded = _plain.encode(sampler_state["state"])
-            check_user_depth(encoded, "the sampler's state_dict()")
-            sampler_state = {"state": encoded, "done": sampler_state["done"]}
-        state.update(
-            epoch=progress.epoch,
-            ended=position.ended,
-            yielded=position.yielded,
-            turn=position.turn,
-            rng_start=_plain.b64(progress.rng_start),
-            base_seed=progress.base_seed,
-            drew_base_seed=progress.drew_base_seed,
-            shared_seed=progress.shared_seed,
-            sampler_state=sampler_state,
-            sampler_epoch=progress.sampler_epoch,
-            skip=position.skip,
-            logical_workers=progress.logical,
-            in_order=progress.in_order,
-        )
-        # Written only in an epoch part (_epoch/resize.py): an ordinary checkpoint is
-        # unchanged, and has no such field for an edit to turn into one.
-        if progress.item_offset:
-            state["item_offset"] = progress.item_offset
-        if progress.epoch_length is not None:
-            state["epoch_length"] = progress.epoch_length
-        ledgers = [_ledger_to_plain(ledger, w) for w, ledger in enumerate(position.workers)]
-        next_batches = [
-            None if entry is None else {"produced": entry[0], "digest": entry[1]}
-            for entry in progress.next_digests()
-        ]
-    rng_next = seen.rng_next
-    state["rng_next"] = _plain.b64(rng_next) if state["ended"] and rng_next is not None else None
-    state["next_batches"] = next_batches
-    state["workers"] = [copy_state(plain) for plain, _ in ledgers]
-    state["digest"] = digest_of(state, [digest for _, digest in ledgers])
-    return state
-
-
 
 # -- reading a checkpoint ----------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from .raw import (
 # Finding k means walking the seed's path until the state turns up: time that grows
 # with how much the worker drew (23 ms per state_dict() at 8 workers whose items draw
 # a 3x224x224 noise image from each RNG), and the main process was where it ran. So
-# checkpoints now store the raw states (NOTE [ raw RNG states ] in _format/codec.py),
+# checkpoints now store the raw states (NOTE [ raw RNG states ] in _format/build.py),
 # and codes are only read, from checkpoints written before. Replaying k twists costs
 # ~1.4 us each (NumPy's MT19937 bit generator, the same twist as CPython's, NumPy's
 # legacy and torch's); k is bounded so that a crafted checkpoint cannot make loading

@@ -41,7 +41,7 @@ class WorkerLedger:
     yielded_complete: Snapshot | None = None
     exhausted: bool = False
     skipped: int = 0
-    # The checkpoint form of this (immutable) ledger, made once (_format/codec.py).
+    # The checkpoint form of this (immutable) ledger, made once (_format/build.py).
     cache: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     def record(self, snapshot: Snapshot) -> WorkerLedger:
@@ -188,6 +188,8 @@ class EpochProgress:
     epoch_length: int | None = None
     # first_due() of the position it was computed for (the position is immutable)
     _due: tuple[Position | None, int] = field(default=(None, 0), repr=False, compare=False)
+    # The checkpoint's pieces that are fixed for the epoch, made once (_format/build.py).
+    cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def slots(self) -> int:

@@ -5,7 +5,7 @@ instruction that positions a worker for an epoch. Plain records, passed by refer
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._errors import user_stacklevel
@@ -34,6 +34,8 @@ class Snapshot:
     (``_rng/objects.py``; encoded with their paths), or None when it found none.
     ``report`` is news for the main process about those objects (what was found, what
     cannot be captured); it is not part of the state and never enters a checkpoint.
+    ``sealed`` is the snapshot as a checkpoint holds it, made once by the first
+    ``state_dict()`` that needs it (``_format/build.py``).
     """
 
     rng: bytes | NativeRng
@@ -44,6 +46,7 @@ class Snapshot:
     exhausted: bool = False
     objects: bytes | None = None
     report: RngReport | None = None
+    sealed: Any = field(default=None, init=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
