@@ -87,9 +87,11 @@ def _fresh(plain: dict[str, Any] | None) -> dict[str, Any] | None:
 def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any], str]:
     """A ledger as plain data (its snapshots as sealed, shared: copy before handing
     out) and its digest, computed once per (immutable) ledger."""
-    if ledger.cache and ledger.cache[0][0]["worker"] == worker:
-        return ledger.cache[0]  # type: ignore[no-any-return]
-    ledger.cache.clear()
+    # One read and one write of the memo, each atomic: state_dict() may run in two
+    # threads at once (an async writer's and the loop's).
+    cached = ledger.cache[:1]
+    if cached and cached[0][0]["worker"] == worker:
+        return cached[0]  # type: ignore[no-any-return]
     where = f"worker {worker}'s state"
 
     def sealed(snapshot: Snapshot | None, key: str) -> tuple[dict[str, Any] | None, str]:
@@ -125,7 +127,7 @@ def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any],
         "skipped": piece(ledger.skipped),
     }
     entry = (out, sha256_text(joined(pieces)))
-    ledger.cache.append(entry)
+    ledger.cache[:] = [entry]
     return entry
 
 
