@@ -148,8 +148,9 @@ def measure_loaders(
         log(
             f"  W={w}: "
             + "  ".join(f"{name} {e['wall_us']:.1f} us" for name, e in row["loaders"].items())
-            + (f"  (option adds {row['added_wall_us']:+.1f} us wall, {row['added_worker_cpu_us']:+.1f} us worker CPU)"
-               if "added_wall_us" in row else "")
+            + (f"  (the option adds {row['added_wall_us']:+.1f} us" if "added_wall_us" in row else "")
+            + (f", {row['added_worker_cpu_us']:+.1f} us of the workers' CPU" if w and "added_wall_us" in row else "")
+            + (")" if "added_wall_us" in row else "")
         )
     return by_workers
 
