@@ -6,84 +6,37 @@ Prints, in one run, the time to set a sample's states (the three global RNGs; th
 3 generator objects held by the dataset) on the worker's own code path, beside what
 seeding the same generators the ordinary way costs measured alongside
 (``random.seed(int)``, ``np.random.seed(int)``, ``torch.default_generator.manual_seed``,
-``torch.manual_seed``); and a whole loader's time per sample with and without the option
-(``num_workers=0``, a dataset drawing from all three global RNGs). Ratios, not targets:
-the machine's load moves every number together.
+``torch.manual_seed``); and a loader's time per sample with and without the option beside
+torch's (``num_workers=0``, a dataset drawing from all three global RNGs). Ratios, not
+targets: the machine's load moves every number together. The measures are the
+benchmark's (``stress/bench/seed_per_sample.py``, which ``python stress/bench.py`` runs
+among the others, with worker processes too, and reads against issue 26's target).
 """
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from snaploader import DataLoader
-from snaploader._rng.objects import ObjectRngs
-from snaploader._rng.per_sample import Domain, SampleSeeder, epoch_seed
-from tests._datasets import Augmented
-
-_BATCH = 64
-
-
-def _per_call_us(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeat)
-    return best * 1e6
-
-
-def _seeder_us(seeder: SampleSeeder) -> float:
-    seed = epoch_seed(12345, 0)
-    keys = list(range(_BATCH))
-
-    def batch() -> None:
-        for row in seeder.states(seed, Domain.SAMPLE, keys):
-            seeder.put(row)
-
-    return _per_call_us(batch, 100) / _BATCH
-
-
-def _loaders_us(rounds: int = 7) -> tuple[float, float]:
-    """Per sample, the fastest epoch of each loader, the two taking turns so that the
-    machine's slow stretches fall on both."""
-    loaders = [
-        DataLoader(Augmented(1024), batch_size=_BATCH, generator=torch.Generator().manual_seed(0), seed_per_sample=on)
-        for on in (False, True)
-    ]
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds):
-        for i, loader in enumerate(loaders):
-            start = time.perf_counter()
-            count = sum(len(batch) for batch in loader)
-            best[i] = min(best[i], (time.perf_counter() - start) / count * 1e6)
-    return best[0], best[1]
+from stress.bench.contenders import available, find_contenders  # noqa: E402
+from stress.bench.seed_per_sample import SEEDED, measure_loaders, measure_states  # noqa: E402
 
 
 def main() -> None:
-    bare = _seeder_us(SampleSeeder(ObjectRngs([], [])))
-    held = ObjectRngs.find(
-        [("objects", [random.Random(1), np.random.default_rng(1), torch.Generator().manual_seed(1)])], None, None
-    )
-    with_objects = _seeder_us(SampleSeeder(held))
-    references = {
-        "random.seed(int)": _per_call_us(lambda: random.seed(123456789), 2000),
-        "np.random.seed(int)": _per_call_us(lambda: np.random.seed(123456789), 2000),
-        "torch.default_generator.manual_seed": _per_call_us(lambda: torch.default_generator.manual_seed(5), 2000),
-        "torch.manual_seed": _per_call_us(lambda: torch.manual_seed(5), 200),
-    }
+    states = measure_states(100)
+    bare = states["global_us"]
     print(f"per-sample states, 3 global RNGs:             {bare:7.1f} us")
-    print(f"per-sample states, + 3 generator objects:     {with_objects:7.1f} us")
-    for name, us in references.items():
+    print(f"per-sample states, + 3 generator objects:     {states['with_3_objects_us']:7.1f} us")
+    for name, us in states["ordinary_us"].items():
         print(f"{name + ' (alone):':46s}{us:7.1f} us   per-sample states / this: {bare / us:5.2f}x")
-    print(f"{'the three ordinary seeds together:':46s}{sum(list(references.values())[:3]):7.1f} us")
-    off, on = _loaders_us()
-    print(f"loader, num_workers=0, per sample: {off:.1f} us without, {on:.1f} us with (+{on - off:.1f} us, {on / off:.2f}x)")
+    print(f"{'the three ordinary seeds together:':46s}{states['ordinary_three_us']:7.1f} us")
+    contenders = available(find_contenders(["torch", "snaploader"]))
+    row = measure_loaders(contenders, (0,), repeats=7, batches=200, trial_s=float("inf"), seed=0, log=lambda _: None)["0"]
+    torch_us, off, on = (row["loaders"][name]["wall_us"] for name in ("torch", "snaploader", SEEDED))
+    print(f"loader, num_workers=0, per sample (median of 7, taking turns): torch {torch_us:.1f} us, "
+          f"snaploader {off:.1f} us without, {on:.1f} us with (+{row['added_wall_us']:.1f} us, {on / off:.2f}x)")
 
 
 if __name__ == "__main__":

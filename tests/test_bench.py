@@ -9,11 +9,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from stress.bench.__main__ import run
 from stress.bench.config import Config, LoopCase, StateDictCase
-from stress.bench.contenders import available, find_contenders
+from stress.bench.contenders import available, build_loader, find_contenders
 from stress.bench.report import render_markdown, render_text
-from stress.bench.workloads import PIPELINES
+from stress.bench.seed_per_sample import SEEDED, seeded_contender
+from stress.bench.workloads import PIPELINES, NoiseItems
 
 
 def tiny_config() -> Config:
@@ -37,6 +40,10 @@ def tiny_config() -> Config:
         restore_late_fraction=0.9,
         restore_repeats=1,
         table_workers=1,
+        seed_workers=(0, 1),
+        seed_repeats=2,
+        seed_batches=6,
+        seed_states_calls=2,
     )
 
 
@@ -49,7 +56,8 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     report = run(config, tmp_path, log=lambda line: None)
 
     saved = json.loads((tmp_path / "results.json").read_text())
-    for key in ("meta", "config", "contenders", "workloads", "state_dict", "restore", "targets", "timing_s"):
+    for key in ("meta", "config", "contenders", "workloads", "state_dict", "seed_per_sample", "restore", "targets",
+                "timing_s"):
         assert key in saved, key
     measured = [c for c, v in saved["contenders"].items() if v["skipped"] is None]
     assert {"torch", "snaploader"} <= set(measured)
@@ -95,6 +103,22 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
         assert _positive(entry["without_sps"]) and _positive(entry["with_sps"])
         assert _positive(entry["with_over_without"])
 
+    seeded = saved["seed_per_sample"]
+    assert set(seeded["loaders"]) == {str(w) for w in config.seed_workers}
+    for w, row in seeded["loaders"].items():
+        assert set(row["loaders"]) == {"torch", "snaploader", SEEDED}  # torchdata has no such option
+        for entry in row["loaders"].values():
+            assert _positive(entry["wall_us"]) and len(entry["wall_runs_us"]) == config.seed_repeats
+            assert _positive(entry["wall_over_torch"])
+            if w == "0":  # no worker processes: their CPU is nil
+                assert entry["worker_cpu_us"] == 0
+            else:
+                assert entry["worker_cpu_us"] >= 0
+        assert math.isfinite(row["added_wall_us"]) and math.isfinite(row["added_worker_cpu_us"])
+    states = seeded["states"]
+    assert _positive(states["global_us"]) and _positive(states["with_3_objects_us"])
+    assert len(states["ordinary_us"]) == 4 and all(_positive(us) for us in states["ordinary_us"].values())
+
     restore = saved["restore"]["loaders"]
     assert set(restore) == set(measured)
     positions = saved["restore"]["positions"]
@@ -116,6 +140,9 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
                  "state_dict() size growth with dataset length",
                  "training loop with state_dict() every step / without (W=2)"):
         assert name in names, name  # issue 24's targets, read at checkpoint_workers
+    seed_target = next(t for t in saved["targets"] if t["name"] == "seed_per_sample=True, added time per sample (W=0)")
+    assert (seed_target["measured"], seed_target["limit"]) == (seeded["loaders"]["0"]["added_wall_us"], 20.0)
+    assert "W=1: workers' CPU" in seed_target["note"]  # issue 26's target, the workers' figure beside it
     assert all(isinstance(t["met"], bool) for t in saved["targets"])
 
     markdown = (tmp_path / "results.md").read_text()
@@ -131,7 +158,12 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     ours = [line for line in rows if line.startswith("| snaploader | ") and "RNG" in line]
     assert [d for d in described if any(f" | {d} | " in line for line in ours)] == described
     assert "| training loop, state_dict() after every step |" in markdown
-    assert render_text(report)  # the stdout table renders
+    assert "| seed_per_sample=True | W | µs/sample (torch / snaploader / snaploader, seed_per_sample) |" in markdown
+    for w in config.seed_workers:
+        assert sum(line.startswith(f"| per sample | {w} | ") for line in rows) == 1, w
+    text = render_text(report)  # the stdout table
+    assert "seed_per_sample=True, per sample" in text and "a sample's states alone" in text
+    assert sum(line.startswith(f"  W={w}: torch ") for line in text.splitlines() for w in config.seed_workers) == 2
 
     if report["plot"] is not None:
         assert (tmp_path / report["plot"]).stat().st_size > 0
@@ -152,3 +184,16 @@ def test_markdown_names_a_skipped_contender() -> None:
         "workloads": {},
     }
     assert "torchdata: not importable (test)" in render_markdown(report)
+
+
+def test_seeded_contender_reads_with_seed_per_sample() -> None:
+    """The benchmark's "with the option" loader has it: its samples are the same read by
+    the main process or by 2 workers taking turns; the plain loader's are not."""
+
+    def values(contender: Any, workers: int) -> torch.Tensor:
+        return torch.cat(list(build_loader(contender, NoiseItems(16, (1,)), 4, workers, seed=3)))
+
+    seeded = seeded_contender()
+    assert torch.equal(values(seeded, 0), values(seeded, 2))
+    plain = find_contenders(["snaploader"])["snaploader"]
+    assert not torch.equal(values(plain, 0), values(plain, 2))

@@ -19,6 +19,9 @@ What it measures (``docs/performance.md`` explains the method and each number):
   issue 24's light and heavy pipelines (items drawing from the three global RNGs);
 - a training loop calling ``state_dict()`` after every step at W = 8, against the same
   loop without the call;
+- what ``seed_per_sample=True`` costs per sample (issue 26): setting a sample's
+  states alone, and a loader's time per sample with and without it beside torch's,
+  at W = 0 and with worker processes;
 - the time from ``load_state_dict`` to the first batch when resuming early and late in
   a long shuffled epoch, beside torch's own cold start (``iter()`` to first batch).
 
@@ -30,7 +33,7 @@ never asserted: the exit status is 0 whatever the timings.
 The package holds one concern a module: ``config`` (the sizes of a run),
 ``workloads`` (the datasets), ``contenders`` (the loaders compared), one module per
 measure (``throughput`` with first-batch latency and CPU time, ``memory``'s sampler
-beside it, ``snapshot``, ``state_dict``, ``training_loop``, ``restore``),
+beside it, ``snapshot``, ``state_dict``, ``training_loop``, ``seed_per_sample``, ``restore``),
 ``targets`` (the limits each run is read against, apart from the measures),
 ``report`` and ``plot`` (the renderings), and ``__main__`` (the orchestration,
 ``run()``, and the command line, ``main()``). Probes shared with the other stress

@@ -29,6 +29,7 @@ from .contenders import available, find_contenders
 from .plot import plot_throughput
 from .report import render_markdown, render_text
 from .restore import measure_restore
+from .seed_per_sample import measure_seed_per_sample
 from .snapshot import measure_snapshot
 from .state_dict import measure_state_dict
 from .targets import evaluate_targets
@@ -138,6 +139,14 @@ def _run(config: Config, out_dir: Path, log: Callable[[str], None]) -> dict[str,
         active, config.loop_cases, config.checkpoint_workers, config.loop_repeats, config.seed, log
     )
     report["timing_s"]["training_loop"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    log(f"seed_per_sample=True: cost per sample, W in {config.seed_workers}, {config.seed_repeats} repeats")
+    report["seed_per_sample"] = measure_seed_per_sample(
+        active, config.seed_workers, config.seed_repeats, config.seed_batches, config.trial_s,
+        config.seed_states_calls, config.seed, log,
+    )
+    report["timing_s"]["seed_per_sample"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     log("restore: load_state_dict() to first batch")

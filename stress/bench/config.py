@@ -68,6 +68,13 @@ class Config:
     table_workers: int = TABLE_WORKERS
     checkpoint_workers: int = CHECKPOINT_WORKERS
     contenders: tuple[str, ...] = ("torch", "snaploader", "torchdata")
+    # seed_per_sample=True's cost (issue 26): loaders at these num_workers, interleaved
+    # and repeated, over an epoch of this many batches; states alone timed in chunks of
+    # this many batches' calls
+    seed_workers: tuple[int, ...] = (0, 2)
+    seed_repeats: int = 5
+    seed_batches: int = 2_000
+    seed_states_calls: int = 100
     seed: int = 0
 
     @staticmethod
@@ -120,4 +127,7 @@ class Config:
             restore_batch_size=256,
             restore_late_fraction=0.9,
             restore_repeats=2,
+            seed_repeats=3,
+            seed_batches=1_000,
+            seed_states_calls=50,
         )

@@ -75,6 +75,72 @@ def _loop_markdown(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _seed_rows(report: dict[str, Any]) -> list[tuple[str, dict[str, Any], list[str]]]:
+    """(W, row, the loaders measured, torch and snaploader first) of the
+    seed_per_sample measure."""
+    measured = report.get("seed_per_sample") or {}
+    return [(w, row, list(row["loaders"])) for w, row in measured.get("loaders", {}).items()]
+
+
+def _states_line(states: dict[str, Any], unit: str) -> str:
+    ordinary = ", ".join(f"{name} {_fmt(us)}" for name, us in states["ordinary_us"].items())
+    return (f"a sample's states alone {_fmt(states['global_us'])} {unit} (3 global RNGs),"
+            f" {_fmt(states['with_3_objects_us'])} {unit} with 3 generator objects;"
+            f" the ordinary seeders measured alongside, {unit} a call: {ordinary}")
+
+
+def _seed_markdown(report: dict[str, Any]) -> list[str]:
+    rows = _seed_rows(report)
+    if not rows:
+        return []
+    measured = report["seed_per_sample"]
+    names = rows[0][2]
+    slash = " / ".join(names)
+    lines = [
+        "",
+        f"seed_per_sample=True: {measured['items']:,} items, batch {measured['batch_size']}, shuffle, each item"
+        " drawing one value from each of the 3 global RNGs; µs per sample (wall, first batch to last) and"
+        " the workers' CPU µs per sample; added = with the option less without, per repeat, median;"
+        f" {_states_line(measured['states'], 'µs')}.",
+        "",
+        f"| seed_per_sample=True | W | µs/sample ({slash}) | × torch ({slash}) | added µs/sample"
+        f" | workers' CPU µs/sample ({slash}) | added workers' CPU µs/sample |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w, row, _ in rows:
+        loaders = row["loaders"]
+        workers = w != "0"
+        lines.append(
+            f"| per sample | {w} | " + " / ".join(_fmt(loaders[n]["wall_us"]) for n in names)
+            + " | " + " / ".join(_fmt(loaders[n].get("wall_over_torch"), ".2f") for n in names)
+            + f" | {_fmt(row.get('added_wall_us'), '+.1f')} | "
+            + (" / ".join(_fmt(loaders[n]["worker_cpu_us"]) for n in names) if workers else "— (no workers)")
+            + f" | {_fmt(row.get('added_worker_cpu_us'), '+.1f') if workers else '—'} |"
+        )
+    return lines
+
+
+def _seed_text(report: dict[str, Any]) -> list[str]:
+    rows = _seed_rows(report)
+    if not rows:
+        return []
+    measured = report["seed_per_sample"]
+    out = ["", f"seed_per_sample=True, per sample (batch {measured['batch_size']}; wall us, workers' CPU us)",
+           f"  {_states_line(measured['states'], 'us')}"]
+    for w, row, names in rows:
+        line = f"  W={w}: " + "  ".join(
+            f"{n} {_fmt(row['loaders'][n]['wall_us'])}"
+            + (f" (workers {_fmt(row['loaders'][n]['worker_cpu_us'])})" if w != "0" else "")
+            for n in names
+        )
+        if "added_wall_us" in row:
+            line += f"  -> adds {_fmt(row['added_wall_us'], '+.1f')} us"
+            if w != "0":
+                line += f", workers' CPU {_fmt(row['added_worker_cpu_us'], '+.1f')} us"
+        out.append(line)
+    return out
+
+
 def _state_dict_text(report: dict[str, Any]) -> list[str]:
     if not report.get("state_dict"):
         return []
@@ -162,7 +228,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             + " | ".join(f"{_fmt(inline[c]['ratio_to_torch'], '.2f')}×" for c in others if c in inline)
             + " |",
         ]
-    lines += _state_dict_markdown(report) + _loop_markdown(report)
+    lines += _state_dict_markdown(report) + _loop_markdown(report) + _seed_markdown(report)
     restore = report.get("restore")
     if restore:
         pos = restore["positions"]
@@ -242,7 +308,7 @@ def render_text(report: dict[str, Any]) -> str:
                 for w in entry["by_workers"]
             ]
             out.append(f"  {name:8s} {c:11s} " + "  ".join(cells))
-    out += _state_dict_text(report) + _loop_text(report)
+    out += _state_dict_text(report) + _loop_text(report) + _seed_text(report)
     restore = report.get("restore")
     if restore:
         out.append("")
