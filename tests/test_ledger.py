@@ -5,9 +5,12 @@ another. Pure bookkeeping, so no worker process is started here; the end-to-end 
 
 from __future__ import annotations
 
+import pickle
+
 from hypothesis import given
 from hypothesis import strategies as st
 
+from snaploader._format.build import _sealed
 from snaploader._state.ledger import (
     EpochProgress,
     EpochStart,
@@ -180,3 +183,15 @@ def test_a_ledger_remembers_its_newest_complete_snapshot_and_stays_exhausted() -
     ended = ledger.record(snap(3, complete=False, exhausted=True)).record(snap(3, complete=False))
     assert ended.exhausted
     assert ended.next_epoch() == WorkerLedger(epoch_start=snap(3, complete=False))
+
+
+def test_a_snapshot_sent_to_a_worker_leaves_its_checkpoint_form_behind() -> None:
+    # state_dict() keeps each snapshot's checkpoint form on it (_format/build.py); a
+    # snapshot pickled for a worker (an epoch start, a respawn) must not carry it.
+    snapshot = Snapshot(rng=bytes(range(256)) * 40, produced=3, data={"k": [1, 2]}, data_owner="dataset")
+    before = pickle.dumps(snapshot)
+    _sealed(snapshot, "test")
+    assert snapshot.sealed is not None
+    after = pickle.loads(pickle.dumps(snapshot))
+    assert after == snapshot and after.sealed is None
+    assert len(pickle.dumps(snapshot)) == len(before)

@@ -5,7 +5,7 @@ instruction that positions a worker for an epoch. Plain records, passed by refer
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .._errors import user_stacklevel
@@ -47,6 +47,11 @@ class Snapshot:
     objects: bytes | None = None
     report: RngReport | None = None
     sealed: Any = field(default=None, init=False, compare=False, repr=False)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # The checkpoint form stays in the main process: a snapshot sent back to a worker
+        # (an epoch start, a respawn) would carry ~10 KB of base64 it never reads.
+        return (Snapshot, tuple(getattr(self, f.name) for f in fields(self) if f.init))
 
 
 @dataclass(frozen=True, slots=True)
