@@ -73,15 +73,15 @@ def _sealed(snapshot: Snapshot, where: str) -> tuple[dict[str, Any], str]:
     return sealed
 
 
-def _fresh(plain: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A copy of a sealed snapshot's dict for the caller: its values are str, int, bool
-    and None, but for the user's own ``data``."""
-    if plain is None:
-        return None
+def _fresh(plain: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+    """A copy of a sealed snapshot's dict for the caller (its values are str, int, bool
+    and None, but for the user's own ``data``); None and ``SAME_AS_YIELDED`` as they are."""
+    if type(plain) is not dict:
+        return plain
     data = plain["data"]
-    if isinstance(data, (dict, list)):
+    if type(data) is dict or type(data) is list:
         return {**plain, "data": copy_state(data)}
-    return dict(plain)
+    return plain.copy()
 
 
 def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any], str]:
@@ -132,13 +132,11 @@ def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any],
 
 
 def _fresh_ledger(plain: dict[str, Any]) -> dict[str, Any]:
-    complete = plain["yielded_complete"]
-    return {
-        **plain,
-        "epoch_start": _fresh(plain["epoch_start"]),
-        "yielded": _fresh(plain["yielded"]),
-        "yielded_complete": complete if isinstance(complete, str) else _fresh(complete),
-    }
+    out = plain.copy()
+    out["epoch_start"] = _fresh(plain["epoch_start"])
+    out["yielded"] = _fresh(plain["yielded"])
+    out["yielded_complete"] = _fresh(plain["yielded_complete"])
+    return out
 
 
 def copy_state(value: Any) -> Any:
@@ -188,6 +186,27 @@ def _pieces(fields: dict[str, Any]) -> dict[str, str]:
     return {key: blob_piece(value) if key in _TOP_BLOBS else piece(value) for key, value in fields.items()}
 
 
+_CONSTANT: dict[str, dict[str, str]] = {}  # per rng_kind
+
+
+def _constant_pieces(rng_kind: str) -> dict[str, str]:
+    """The canonical JSON of the fields every checkpoint of this version has alike."""
+    made = _CONSTANT.get(rng_kind)
+    if made is None:
+        made = _CONSTANT[rng_kind] = {"format": piece(FORMAT), "version": piece(VERSION), "rng_kind": piece(rng_kind)}
+    return made
+
+
+def _next_batches_piece(entries: list[tuple[int, str] | None]) -> str:
+    """The canonical JSON of ``next_batches`` (``{"produced": count, "digest": text}``
+    per worker whose next batch has arrived, else None), written directly: it changes at
+    every call."""
+    return "[" + ",".join([
+        "null" if entry is None else '{"digest":' + piece(entry[1]) + ',"produced":' + piece(entry[0]) + "}"
+        for entry in entries
+    ]) + "]"
+
+
 # The last fingerprint's canonical JSON: a loader's fingerprint rarely changes (its
 # dataset's length may), so comparing is cheaper than encoding. One tuple, replaced
 # whole, so that another thread's call can only miss it.
@@ -225,7 +244,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         "rng_kind": source.kind,
     }
     ledgers: list[tuple[dict[str, Any], str]] = []
-    next_batches: list[dict[str, Any] | None] = []
+    next_digests: list[tuple[int, str] | None] = []
     if progress is None:
         fixed: dict[str, Any] = {
             "epoch": -1, "rng_start": None, "base_seed": None, "drew_base_seed": True, "shared_seed": None,
@@ -251,17 +270,24 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
             skip=position.skip,
         )
         ledgers = [_ledger_to_plain(ledger, w) for w, ledger in enumerate(position.workers)]
-        next_batches = [
-            None if entry is None else {"produced": entry[0], "digest": entry[1]}
-            for entry in progress.next_digests()
-        ]
+        next_digests = progress.next_digests()
     rng_next = seen.rng_next
     state["rng_next"] = _plain.b64(rng_next) if state["ended"] and rng_next is not None else None
-    state["next_batches"] = next_batches
+    state["next_batches"] = [None if entry is None else {"produced": entry[0], "digest": entry[1]} for entry in next_digests]
     # The digest (checkpoint.digest_of), from pieces: the fixed ones as made, the rest now.
-    changing = {key: value for key, value in state.items() if key not in fixed and key != "fingerprint"}
-    pieces = {**fixed_pieces, **_pieces(changing), "fingerprint": _fingerprint_piece(values)}
-    pieces["workers"] = "[" + ",".join(['"' + digest + '"' for _, digest in ledgers]) + "]"
+    pieces = {
+        **fixed_pieces,
+        **_constant_pieces(source.kind),
+        "fingerprint": _fingerprint_piece(values),
+        "ended": piece(state["ended"]),
+        "yielded": piece(state["yielded"]),
+        "turn": piece(state["turn"]),
+        "sampler_state": piece(state["sampler_state"]),
+        "skip": piece(state["skip"]),
+        "rng_next": blob_piece(state["rng_next"]),
+        "next_batches": _next_batches_piece(next_digests),
+        "workers": "[" + ",".join(['"' + digest + '"' for _, digest in ledgers]) + "]",
+    }
     state["workers"] = [_fresh_ledger(plain) for plain, _ in ledgers]
     state["digest"] = "sha256:" + sha256_text(joined(pieces))
     return state

@@ -222,6 +222,8 @@ def piece(value: Any) -> str:
         return int.__repr__(value)  # what json writes for an int, without a call into it
     if value is None or kind is bool:
         return "null" if value is None else "true" if value else "false"
+    if kind is str:
+        return encode_basestring_ascii(value)  # what the encoder writes for a str
     if _ENCODER is None:
         return _canonical(value).decode("ascii")
     return "".join(_ENCODER(value, 0))
@@ -232,21 +234,22 @@ def blob_piece(text: str | None) -> str:
     return "null" if text is None else '"' + text + '"'
 
 
-# A key's canonical JSON with its colon: a checkpoint has a few dozen keys, written again
-# at every call.
-_KEYS: dict[str, str] = {}
-
-
-def _key(key: str) -> str:
-    made = _KEYS.get(key)
-    if made is None:
-        made = _KEYS[key] = encode_basestring_ascii(key) + ":"
-    return made
+# The sorted order of each set of keys joined, each key's canonical JSON with its colon:
+# a checkpoint's dicts come in a few layouts, joined again at every call. Bounded: the
+# keys are snaploader's.
+_LAYOUTS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {}
+_MAX_LAYOUTS: Final = 64
 
 
 def joined(pieces: dict[str, str]) -> str:
     """The canonical JSON of a str-keyed dict whose values' canonical JSON is ``pieces``."""
-    return "{" + ",".join([_key(key) + pieces[key] for key in sorted(pieces)]) + "}"
+    keys = tuple(pieces)
+    layout = _LAYOUTS.get(keys)
+    if layout is None:
+        layout = tuple((key, encode_basestring_ascii(key) + ":") for key in sorted(keys))
+        if len(_LAYOUTS) < _MAX_LAYOUTS:
+            _LAYOUTS[keys] = layout
+    return "{" + ",".join([head + pieces[key] for key, head in layout]) + "}"
 
 
 def sha256_text(canonical: str) -> str:
