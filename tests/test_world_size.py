@@ -624,6 +624,23 @@ def test_a_new_per_rank_batch_needs_the_option_and_changes_nothing_else() -> Non
     assert_same_stream(_global([list(loader) for loader in kept]), _global(old.rest), "hosting with the option given")
 
 
+def test_a_new_per_rank_batch_builds_one_loader_per_old_rank_checked_and_one_to_read() -> None:
+    # make_loader may be costly (a dataset per call): a re-partition builds a loader to
+    # check each old rank's checkpoint and one for the rest, whether or not M divides N
+    old = _old_run(_factory(48), 48, 4, cut=1)
+    make = _factory(48, batch_size=5)
+    for world_size in (2, 3):
+        calls = []
+
+        def counting(sampler: Any) -> Any:
+            calls.append(sampler)
+            return make(sampler)
+
+        loader = reshard(old.states, counting, rank=0, world_size=world_size, allow_mismatch=("batch_size",))
+        assert loader.mode == "repartition"
+        assert len(calls) == 4 + 1, (world_size, len(calls))
+
+
 def test_a_new_per_rank_batch_between_epochs_starts_a_plain_loader_of_that_size() -> None:
     ended = []
     for rank in range(4):

@@ -323,8 +323,10 @@ def reshard(
             combine=combine, loaders=[], epoch=source.sampler_epoch, rest=(source, loader),
         )
     world = gather(flat)
+    built: dict[int, DataLoader[Any]] = {}
     if world.size % world_size == 0:
-        first = _build(make_loader, sampler_for(world.source, world.size, hosted(world.size, rank, world_size)[0], None))
+        first_rank = hosted(world.size, rank, world_size)[0]
+        first = built[first_rank] = _build(make_loader, sampler_for(world.source, world.size, first_rank, None))
         if new_batch_size(world.source, first.batch_size, rebatch) is None:
             return _hosting(world, first, rank, world_size, make_loader, combine)
         # NOTE [ a new per-rank batch ]: hosted loaders would yield N/M old-run batches
@@ -332,7 +334,7 @@ def reshard(
         # that size, so the rest is dealt anew, as when M does not divide N.
     if world.source.sampler_epoch is not None:
         require_in_order(world.checkpoints)
-    source = _check_world(world, make_loader, rebatch)
+    source = _check_world(world, make_loader, rebatch, built)
     if source.sampler_epoch is None:  # no epoch under way: the M-rank sampler now
         after = _build(make_loader, sampler_for(source, world_size, rank, _epoch_of(world)))
         return ReshardedLoader(
@@ -368,14 +370,17 @@ def _hosting(
     )
 
 
-def _check_world(world: World, make_loader: LoaderFactory, rebatch: bool) -> Source:
+def _check_world(world: World, make_loader: LoaderFactory, rebatch: bool, built: dict[int, DataLoader[Any]]) -> Source:
     """Re-partitioning loads no old rank's checkpoint, so each is checked as hosting
     would check it (the fingerprint: a grown dataset is refused; the position's
-    consistency) by loading it into a loader that is then dropped. Returns the source
-    of the deal: the old world's, with the new batch size if the loaders have one."""
+    consistency) by loading it into a loader that is then dropped (``built``: those
+    already made for old ranks, by rank). Returns the source of the deal: the old
+    world's, with the new batch size if the loaders have one."""
     new_size = None
     for rank, state in enumerate(world.states):
-        probe = _build(make_loader, sampler_for(world.source, world.size, rank, None))
+        probe = built.get(rank)
+        if probe is None:
+            probe = _build(make_loader, sampler_for(world.source, world.size, rank, None))
         new_size = new_batch_size(world.source, probe.batch_size, rebatch)
         try:
             probe.load_state_dict(state, allow_mismatch=() if new_size is None else ("batch_size",))
