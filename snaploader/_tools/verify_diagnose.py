@@ -54,17 +54,17 @@ class Difference:
         a, b = self.expected["indices"], self.got["indices"]
         if a is not None and b is not None:
             if a == b:
-                lines.append(f"sample indices: the same in both runs {_short(a)}, so the values differ, not the order")
+                lines.append(f"sample indices: the same in both runs {short(a)}, so the values differ, not the order")
             else:
-                lines.append(f"sample indices: {_short(a)} uninterrupted, {_short(b)} resumed: the order differs")
+                lines.append(f"sample indices: {short(a)} uninterrupted, {short(b)} resumed: the order differs")
         leaves_a, leaves_b = dict(map(tuple, self.expected["leaves"])), dict(map(tuple, self.got["leaves"]))
         if list(leaves_a) == list(leaves_b):
             differing = [p for p in leaves_a if leaves_a[p] != leaves_b[p]]
             same = [p for p in leaves_a if leaves_a[p] == leaves_b[p]]
-            text = f"differing parts: {_short(differing)}"
-            lines.append(text + (f"; identical parts: {_short(same)}" if same else ""))
+            text = f"differing parts: {short(differing)}"
+            lines.append(text + (f"; identical parts: {short(same)}" if same else ""))
         else:
-            lines.append(f"the batch structure differs: {_short(list(leaves_a))} vs {_short(list(leaves_b))}")
+            lines.append(f"the batch structure differs: {short(list(leaves_a))} vs {short(list(leaves_b))}")
         return lines
 
     @property
@@ -79,7 +79,7 @@ class Difference:
                     and self.expected["indices"] != self.got["indices"])
 
 
-def _short(items: list[Any], limit: int = 6) -> str:
+def short(items: list[Any], limit: int = 6) -> str:
     shown = ", ".join(str(x) for x in items[:limit])
     return f"[{shown}{', ...' if len(items) > limit else ''}]"
 
@@ -175,7 +175,8 @@ _DATA_CHANGED: Final = (
     "the same as before, so resume cannot be judged against it. Verify again once the data "
     "stays put."
 )
-_ORDER: Final = (
+# ORDER_DIFFERS, NOT_CAPTURED and RESUME_FAILED are verify_samples.py's wording too.
+ORDER_DIFFERS: Final = (
     "the sample order after resume differs, and the pipeline is deterministic (two "
     "uninterrupted runs in fresh processes agree). snaploader restores the built-in samplers "
     "and any sampler with state_dict()/load_state_dict(); a custom sampler or batch_sampler "
@@ -183,7 +184,7 @@ _ORDER: Final = (
     "own) is not captured. Give it state_dict()/load_state_dict(), or have it draw from the "
     "loader's generator."
 )
-_NOT_CAPTURED: Final = (
+NOT_CAPTURED: Final = (
     "randomness or state that snaploader does not capture: the pipeline is deterministic "
     "(two uninterrupted runs in fresh processes, with different hash seeds, agree){order}, "
     "yet after resume the "
@@ -205,7 +206,7 @@ _NO_GENERATOR_LATER: Final = (
     "RNG of the new process, as in torch. Pass generator=torch.Generator().manual_seed(SEED), "
     "or save and restore torch.get_rng_state() with the checkpoint. Otherwise: "
 )
-_RESUME_FAILED: Final = (
+RESUME_FAILED: Final = (
     "a resumed run failed where the uninterrupted run did not: the loader the factory builds "
     "in a new process cannot take the checkpoint, or the pipeline fails after a restore. The "
     "error is shown above."
@@ -263,14 +264,14 @@ def diagnose_source(
         return _DATA_CHANGED.format(where=changed.where, same_indices=_indices_note(changed),
                                     evidence=_RERUNS_AGREE)
     if all(c.difference is None for c in cuts):
-        return _RESUME_FAILED
+        return RESUME_FAILED
     if any(c.difference is not None and c.difference.order_differs for c in cuts):
-        return _ORDER
+        return ORDER_DIFFERS
     recorded = any(c.difference is not None and c.difference.expected is not None
                    and c.difference.expected["indices"] is not None for c in cuts)
     later = any(c.difference is not None and c.difference.where_epoch > c.position[0] for c in cuts)
     hint = _NO_GENERATOR_LATER if later and not reference["generator"] else ""
-    return hint + _NOT_CAPTURED.format(
+    return hint + NOT_CAPTURED.format(
         order=" and the resumed run asks for the same samples" if recorded else "",
         iterator=", or an iterator's position (an iterable dataset restarted at its beginning)"
         if reference["kind"] == "iterable" else "",

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .verify_diagnose import _NOT_CAPTURED, _ORDER, _RESUME_FAILED, CutResult, _short, after
+from .verify_diagnose import NOT_CAPTURED, ORDER_DIFFERS, RESUME_FAILED, CutResult, short, after
 from .verify_loader import Topology
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,10 +175,10 @@ class SampleDifference:
         lines = [f"first difference at {where}: index {a.index} in both runs, so the values differ, not the order"]
         if list(parts_a) == list(parts_b):
             same = [p for p in parts_a if parts_a[p] == parts_b[p]]
-            lines.append(f"differing parts: {_short([p for p in parts_a if parts_a[p] != parts_b[p]])}"
-                         + (f"; identical parts: {_short(same)}" if same else ""))
+            lines.append(f"differing parts: {short([p for p in parts_a if parts_a[p] != parts_b[p]])}"
+                         + (f"; identical parts: {short(same)}" if same else ""))
         else:
-            lines.append(f"the sample structure differs: {_short(list(parts_a))} vs {_short(list(parts_b))}")
+            lines.append(f"the sample structure differs: {short(list(parts_a))} vs {short(list(parts_b))}")
         return lines
 
 
@@ -256,11 +256,11 @@ def diagnose(reference: dict[str, Any], cuts: list[CutResult], topology: Topolog
     """Where a difference comes from, the pipeline being deterministic (the second
     uninterrupted run matched the first)."""
     if any(c.error is not None for c in cuts):
-        return _RESUME_FAILED
+        return RESUME_FAILED
     found = [c.samples for c in cuts if c.samples is not None]
     if any(d.kind == "order" for d in found):
-        return _ORDER
-    not_captured = _NOT_CAPTURED.format(order=" and the resumed run reads the same samples", iterator="")
+        return ORDER_DIFFERS
+    not_captured = NOT_CAPTURED.format(order=" and the resumed run reads the same samples", iterator="")
     if reference["seed_per_sample"]:
         collate = (": only draws made in collate_fn (seeded per batch) follow the batch size; move "
                    "them into the dataset" if topology.batch_size not in (None, reference["batch_size"]) else "")
