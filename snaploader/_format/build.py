@@ -153,6 +153,9 @@ def copy_state(value: Any) -> Any:
 # The top-level blobs, whose canonical JSON is the base64 text quoted (NOTE
 # [ canonical pieces ] in _format/checkpoint.py).
 _TOP_BLOBS: Final = ("rng_start", "rng_next")
+# The top-level fields a call reads from the position (the epoch's are made once an
+# epoch, format, version and rng_kind once; fingerprint, next_batches and workers apart).
+_PER_CALL: Final = ("ended", "yielded", "turn", "sampler_state", "skip", "rng_next")
 
 
 def _epoch_fields(progress: EpochProgress) -> tuple[dict[str, Any], dict[str, str]]:
@@ -240,7 +243,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
     state: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
-        "fingerprint": {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()},
+        "fingerprint": copy_state(values),
         "rng_kind": source.kind,
     }
     ledgers: list[tuple[dict[str, Any], str]] = []
@@ -279,12 +282,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         **fixed_pieces,
         **_constant_pieces(source.kind),
         "fingerprint": _fingerprint_piece(values),
-        "ended": piece(state["ended"]),
-        "yielded": piece(state["yielded"]),
-        "turn": piece(state["turn"]),
-        "sampler_state": piece(state["sampler_state"]),
-        "skip": piece(state["skip"]),
-        "rng_next": blob_piece(state["rng_next"]),
+        **_pieces({key: state[key] for key in _PER_CALL}),
         "next_batches": _next_batches_piece(next_digests),
         "workers": "[" + ",".join(['"' + digest + '"' for _, digest in ledgers]) + "]",
     }
