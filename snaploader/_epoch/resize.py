@@ -135,5 +135,11 @@ def part_batches(index_sampler: Any, item_offset: int, epoch_length: int | None)
         items = len(index_sampler.sampler) - item_offset
     except TypeError:
         return None
-    size = index_sampler.batch_size
-    return max(0, items // size if index_sampler.drop_last else -(-items // size))
+    return batch_count(items, index_sampler.batch_size, index_sampler.drop_last)
+
+
+def batch_count(items: int, batch_size: int, drop_last: bool) -> int:
+    """The batches ``items`` samples make (none for fewer than none), as torch's
+    BatchSampler counts them."""
+    items = max(0, items)
+    return items // batch_size if drop_last else -(-items // batch_size)

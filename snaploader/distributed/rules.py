@@ -18,6 +18,7 @@ from typing import Any, Final
 
 from torch.utils.data.distributed import DistributedSampler
 
+from .._epoch.resize import batch_count
 from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.checkpoint import Checkpoint, DistributedArgs
 from .._format.fingerprint import FINGERPRINT_KEYS
@@ -355,8 +356,7 @@ def rank_batches(source: Source) -> int:
     samples)."""
     n, size = source.dataset_length, source.num_replicas
     samples = -(-(n - size) // size) if source.sampler_drop_last and n % size else -(-n // size)
-    samples = max(samples, 0)
-    return samples // source.batch_size if source.drop_last else -(-samples // source.batch_size)
+    return batch_count(samples, source.batch_size, source.drop_last)
 
 
 def hosted(old_size: int, rank: int, world_size: int) -> range:
