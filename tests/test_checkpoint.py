@@ -190,13 +190,18 @@ def test_state_dict_from_another_thread_at_epoch_starts_resumes_exactly(
         assert_same_stream(list(resumed), expected[epoch + 1] if not state["ended"] else expected[epoch], where + ": next epoch")
 
 
+def _shuffled(dataset: Any, num_workers: int, seed: int, persistent: bool = False) -> snaploader.DataLoader:
+    """A shuffled loader of batch 2 over ``dataset``, its generator seeded with ``seed``."""
+    return snaploader.DataLoader(
+        dataset, batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(seed),
+        persistent_workers=persistent,
+    )
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_returned_state_never_changes_and_shares_nothing(num_workers: int) -> None:
     # An async checkpoint writer reads the state while the loop goes on (docs/dcp.md).
-    loader = snaploader.DataLoader(
-        Augmented(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(3),
-        persistent_workers=num_workers > 0,
-    )
+    loader = _shuffled(Augmented(12), num_workers, 3, persistent=num_workers > 0)
     iterator = iter(loader)
     next(iterator)
     states = [loader.state_dict()]
@@ -208,10 +213,7 @@ def test_a_returned_state_never_changes_and_shares_nothing(num_workers: int) -> 
     as_taken.append(json.dumps(states[-1]))
     list(loader)
     assert [json.dumps(state) for state in states] == as_taken
-    loaded = snaploader.DataLoader(
-        Augmented(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(3),
-        persistent_workers=num_workers > 0,
-    )
+    loaded = _shuffled(Augmented(12), num_workers, 3, persistent=num_workers > 0)
     loaded.load_state_dict(states[1])
     # editing what was given or returned changes nothing the loader holds
     states[1]["workers"][0]["yielded"]["produced"] = 99
@@ -299,9 +301,7 @@ def _changed_base64(text: str) -> str:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_corrupted_blob_is_caught_by_the_digest(num_workers: int) -> None:
-    loader = snaploader.DataLoader(
-        Augmented(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(3)
-    )
+    loader = _shuffled(Augmented(12), num_workers, 3)
     iterator = iter(loader)
     next(iterator)
     next(iterator)
@@ -315,9 +315,7 @@ def test_a_corrupted_blob_is_caught_by_the_digest(num_workers: int) -> None:
         bad = json.loads(json.dumps(state))
         corrupt(bad)
         assert bad != state
-        fresh = snaploader.DataLoader(
-            Augmented(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(3)
-        )
+        fresh = _shuffled(Augmented(12), num_workers, 3)
         with pytest.raises(snaploader.CheckpointFormatError, match=r"\['digest'\].*modified"):
             fresh.load_state_dict(bad)
 
@@ -326,10 +324,7 @@ def test_a_corrupted_blob_is_caught_by_the_digest(num_workers: int) -> None:
 def test_editing_a_returned_state_changes_nothing_the_loader_returns_next(num_workers: int) -> None:
     # The state is copied out of what the loader keeps (each snapshot made plain once);
     # the copy must go as deep as the user's own state.
-    loader = snaploader.DataLoader(
-        _NestedState(12), batch_size=2, shuffle=True, num_workers=num_workers, generator=generator(4),
-        persistent_workers=num_workers > 0,
-    )
+    loader = _shuffled(_NestedState(12), num_workers, 4, persistent=num_workers > 0)
     iterator = iter(loader)
     next(iterator)
     next(iterator)

@@ -36,6 +36,7 @@ from typing import Any, Final
 from .verify_diagnose import NOT_CAPTURED, ORDER_DIFFERS, RESUME_FAILED, CutResult, short, after
 from .verify_loader import Topology
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-batch-size", type=at_least(1), default=None, metavar="N",
                         help="resume each cut into a loader with this batch_size and compare sample by sample")
