@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-import re
 import time
 from collections.abc import Iterator
 
@@ -14,6 +13,8 @@ import numpy as np
 import psutil
 import pytest
 import torch
+
+from snaploader._workers.pool import shm_creator
 
 _SETTLE_S = 10.0
 
@@ -26,8 +27,6 @@ def _fds() -> set[int]:
     return set(int(fd) for fd in os.listdir("/proc/self/fd"))
 
 
-# torch names the shared memory a process creates "torch_<pid>_..." (see _workers/pool.py).
-_TORCH_SHM = re.compile(r"torch_(\d+)_")
 # Under pytest-xdist another test runs beside this one, in a sibling process whose workers
 # create /dev/shm entries of their own: /dev/shm is shared by the machine, not the process.
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ
@@ -37,10 +36,9 @@ def _someone_elses(name: str) -> bool:
     """An entry a live process outside this test process's tree created (a concurrent
     xdist worker's): not this test's to answer for. An entry whose creator is gone may be
     anyone's; it is checked, and a transient one is gone by the settle deadline."""
-    match = _TORCH_SHM.match(name)
-    if match is None:
+    pid = shm_creator(name)
+    if pid is None:
         return False
-    pid = int(match.group(1))
     try:
         process = psutil.Process(pid)
         return pid != os.getpid() and os.getpid() not in {p.pid for p in process.parents()}

@@ -57,7 +57,7 @@ _TASK_PIPE_BYTES: Final = 1 << 20
 _F_SETPIPE_SZ: Final = 1031
 _SHM_DIR: Final = "/dev/shm"
 # torch names the shared memory a process creates "/dev/shm/torch_<pid>_...".
-_TORCH_SHM: Final = re.compile(r"/dev/shm/torch_(\d+)_")
+_TORCH_SHM: Final = re.compile(r"torch_(\d+)_")
 
 # Every live pool of this process, and the pid of every worker any pool of it started:
 # what a forked worker must let go of (NOTE [ inherited fds ]).
@@ -196,9 +196,16 @@ def release_inherited(inherited: Inherited) -> None:
         _replace_shm_mappings(inherited.shm_pids)
 
 
+def shm_creator(name: str) -> int | None:
+    """The pid of the process that created the /dev/shm entry ``name`` (a file name),
+    when torch named it; None for any other name."""
+    match = _TORCH_SHM.match(name)
+    return None if match is None else int(match.group(1))
+
+
 def _from_workers(path: str, pids: frozenset[int]) -> bool:
-    match = _TORCH_SHM.match(path)
-    return match is not None and int(match.group(1)) in pids
+    head = _SHM_DIR + "/"
+    return path.startswith(head) and shm_creator(path[len(head):]) in pids
 
 
 def _shm_fds(pids: frozenset[int]) -> list[int]:
