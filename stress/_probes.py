@@ -12,7 +12,8 @@ from __future__ import annotations
 import io
 import os
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -103,3 +104,15 @@ def median(values: Sequence[float]) -> float:
     NaN); NaN when none is left."""
     clean = [v for v in values if v == v]
     return float(statistics.median(clean)) if clean else float("nan")
+
+
+def per_call_us(fn: Callable[[], object], repeat: int, chunks: int = 5) -> float:
+    """µs per call of ``fn``: the fastest of ``chunks`` chunks of ``repeat`` calls (the
+    least disturbed by other processes)."""
+    best = float("inf")
+    for _ in range(chunks):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeat)
+    return best * 1e6

@@ -18,17 +18,8 @@ import time
 import torch
 
 from snaploader._rng.objects import ObjectRngs
+from stress._probes import per_call_us
 from tests._object_datasets import ManyGenerators
-
-
-def _per_call_us(fn: object, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()  # type: ignore[operator]
-        best = min(best, (time.perf_counter() - start) / repeat)
-    return best * 1e6
 
 
 def snapshot_cost() -> None:
@@ -47,9 +38,9 @@ def snapshot_cost() -> None:
             i += 1
             objects.snapshot()
 
-        draw_only = _per_call_us(lambda: [dataset[k] for k in range(count)], 200)
-        all_moved = _per_call_us(moved, 200) - draw_only
-        none_moved = _per_call_us(objects.snapshot, 200)
+        draw_only = per_call_us(lambda: [dataset[k] for k in range(count)], 200)
+        all_moved = per_call_us(moved, 200) - draw_only
+        none_moved = per_call_us(objects.snapshot, 200)
         size = len(objects.snapshot()[0] or b"")
         print(f"{count:10d}  {all_moved:24.1f}  {none_moved:25.1f}  {size:15d}")
 

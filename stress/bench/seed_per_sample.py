@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import random
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -40,7 +39,7 @@ import torch
 import snaploader
 from snaploader._rng.objects import ObjectRngs
 from snaploader._rng.per_sample import Domain, SampleSeeder, epoch_seed
-from stress._probes import median
+from stress._probes import median, per_call_us
 
 from .contenders import Contender
 from .throughput import Trial, run_trial
@@ -49,18 +48,6 @@ from .workloads import NoiseItems
 SEEDED: Final = "snaploader, seed_per_sample"  # the contender name of the loader with the option
 SEED_BATCH: Final = 64  # batch size of the loaders, and keys per states() call
 _DRAWS: Final = (1,)  # one value from each global RNG per sample
-
-
-def per_call_us(fn: Callable[[], object], repeat: int, chunks: int = 5) -> float:
-    """µs per call of ``fn``: the fastest of ``chunks`` chunks of ``repeat`` calls (the
-    least disturbed by other processes)."""
-    best = float("inf")
-    for _ in range(chunks):
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeat)
-    return best * 1e6
 
 
 def seeder_us(seeder: SampleSeeder, batches: int = 100) -> float:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 from torch.utils.data import default_collate
 
-from stress._probes import median
+from stress._probes import median, per_call_us
 
 from .workloads import make_dataset, spec
 
@@ -60,21 +59,11 @@ def _snapshot_child(conn: Any, name: str, batch_size: int, compute_rounds: int, 
             batch_s.append(t2 - t0)
             after_s.append(t2 - t1)
 
-        def per_call_us(fn: Callable[[], Any]) -> float:
-            best = float("inf")
-            chunk = max(1, calls // 5)
-            for _ in range(5):  # median of 5 chunks: robust to a neighbour's burst
-                t0 = time.perf_counter()
-                for _ in range(chunk):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / chunk * 1e6)
-            return best
-
         snap_us = []
         cap_us = []
         for _ in range(3):
-            snap_us.append(per_call_us(runtime.snapshot))
-            cap_us.append(per_call_us(capture_rng))
+            snap_us.append(per_call_us(runtime.snapshot, max(1, calls // 5)))
+            cap_us.append(per_call_us(capture_rng, max(1, calls // 5)))
         snapshot = runtime.snapshot()
         conn.send(
             {
