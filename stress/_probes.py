@@ -1,6 +1,6 @@
 """Probes of this process and its workers shared by the stress scripts: child processes,
 open file descriptors, resident and proportional memory, the children's CPU time, a
-checkpoint's ``torch.save`` bytes, and a percentile.
+thread's wait for a CPU, a checkpoint's ``torch.save`` bytes, and a percentile.
 
 Imported as ``stress._probes`` with the repository root on ``sys.path`` (as
 ``stress._datasets`` is). Linux reads ``/proc``; elsewhere the fd and PSS probes
@@ -81,6 +81,18 @@ def children_cpu_s() -> float:
             continue
         total += times.user + times.system
     return total
+
+
+def run_queue_wait_ns() -> int | None:
+    """Nanoseconds this thread has spent so far runnable but waiting for a CPU (the
+    run_delay of Linux's /proc/thread-self/schedstat); None where it cannot be read.
+    The difference across a call is the part of its wall time that was the scheduler's:
+    another process held the CPU."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def saved_bytes(state: Any) -> bytes:

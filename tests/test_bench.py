@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,10 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
         assert len(row["warm_us"]) == case.steps * config.state_dict_warm_calls
         for kind in ("cold", "warm"):
             assert 0 < row[kind]["median_us"] <= row[kind]["p99_us"] <= row[kind]["max_us"]
+            if sys.platform == "linux":  # the waits for a CPU are read from /proc
+                own = row[f"{kind}_own"]
+                assert 0 <= own["median_us"] <= own["p99_us"] <= own["max_us"] <= row[kind]["max_us"]
+                assert 0 <= row[f"{kind}_waited_calls"] <= len(row[f"{kind}_us"])
         assert row["size_bytes"] == max(row["sizes_bytes"]) > 0
     light = [r for r in saved["state_dict"] if r["pipeline"] == "light"]
     assert light and all(r["epochs"] == 2 and r["persistent"] for r in light)
@@ -102,6 +107,7 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
         entry = loop["loaders"][name]
         assert _positive(entry["without_sps"]) and _positive(entry["with_sps"])
         assert _positive(entry["with_over_without"])
+        assert _positive(entry["without_main_cpu_us"]) and _positive(entry["with_main_cpu_us"])
 
     seeded = saved["seed_per_sample"]
     assert set(seeded["loaders"]) == {str(w) for w in config.seed_workers}
@@ -197,3 +203,12 @@ def test_seeded_contender_reads_with_seed_per_sample() -> None:
     assert torch.equal(values(seeded, 0), values(seeded, 2))
     plain = find_contenders(["snaploader"])["snaploader"]
     assert not torch.equal(values(plain, 0), values(plain, 2))
+
+
+def test_own_time_is_wall_less_the_wait_for_a_cpu() -> None:
+    from stress.bench.state_dict import _own_times
+
+    # (wall, waited) in ns: a call that waited 5 ms of its 5.2 ms, one that did not wait
+    assert _own_times([(5_200_000, 5_000_000), (150_000, 0), (300_000, 150_000)]) == ([200_000, 150_000, 150_000], 2)
+    assert _own_times([(5_200_000, 5_000_000), (150_000, None)]) is None  # a wait not read: no own time
+

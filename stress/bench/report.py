@@ -38,16 +38,34 @@ def _state_dict_markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "| state_dict() | W | dataset length | pipeline | batches (epochs) | cold µs (median / p99 / max)"
-        " | warm µs (median / p99 / max) | torch.save size KB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        " | warm µs (median / p99 / max) | own time, cold / warm µs (p99 / max) | calls that waited for a CPU"
+        " | torch.save size KB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["state_dict"]:
         lines.append(
             f"| {r['loader']} | {r['workers']} | {r['dataset_len']:,} | {describe_pipeline(r)} | "
             f"{r['steps']} ({r['epochs']}) | {_latency(r['cold'])} | {_latency(r['warm'])} | "
-            f"{_fmt(r['size_bytes'] / 1024)} |"
+            f"{_own(r)} | {_waited(r)} | {_fmt(r['size_bytes'] / 1024)} |"
         )
     return lines
+
+
+def _own(row: dict[str, Any]) -> str:
+    """A state_dict() row's own time (wall less the wait for a CPU), cold / warm, p99 /
+    max; n/a where the waits could not be read."""
+    if "cold_own" not in row:
+        return "n/a"
+    return " · ".join(
+        f"{_fmt(row[kind]['p99_us'], '.0f')} / {_fmt(row[kind]['max_us'], '.0f')}" for kind in ("cold_own", "warm_own")
+    )
+
+
+def _waited(row: dict[str, Any]) -> str:
+    """How many of a row's cold and warm calls waited over 0.1 ms for a CPU."""
+    if "cold_waited_calls" not in row:
+        return "n/a"
+    return f"{row['cold_waited_calls']} of {len(row['cold_us'])} / {row['warm_waited_calls']} of {len(row['warm_us'])}"
 
 
 def _loop_markdown(report: dict[str, Any]) -> list[str]:
@@ -57,13 +75,17 @@ def _loop_markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "| training loop, state_dict() after every step | W | steps | torch steps/s | "
-        + " | ".join(f"{c} steps/s without / with | {c} with / without" for c in stateful) + " |",
-        "|" + " --- |" * (4 + 2 * len(stateful)),
+        + " | ".join(
+            f"{c} steps/s without / with | {c} with / without | {c} main-process CPU µs a step without / with"
+            for c in stateful
+        ) + " |",
+        "|" + " --- |" * (4 + 3 * len(stateful)),
     ]
     for r in report["training_loop"]:
         cells = [
             f"{_fmt(r['loaders'][c]['without_sps'])} / {_fmt(r['loaders'][c]['with_sps'])} | "
-            f"{_fmt(r['loaders'][c]['with_over_without'], '.3f')}×"
+            f"{_fmt(r['loaders'][c]['with_over_without'], '.3f')}× | "
+            f"{_fmt(r['loaders'][c].get('without_main_cpu_us'), '.0f')} / {_fmt(r['loaders'][c].get('with_main_cpu_us'), '.0f')}"
             for c in stateful
         ]
         lines.append(
@@ -154,6 +176,7 @@ def _state_dict_text(report: dict[str, Any]) -> list[str]:
         out.append(
             f"  {r['loader']:11s} {r['workers']:>2d} {r['dataset_len']:>10d} {r['pipeline']:9s} {r['steps']:>7d}"
             f" {_latency(r['cold']):>26s} {_latency(r['warm']):>26s} {r['size_bytes'] / 1024:>8.1f}"
+            + (f"  own p99/max {_own(r)}, waited {_waited(r)}" if "cold_own" in r else "")
         )
     return out
 
@@ -168,7 +191,8 @@ def _loop_text(report: dict[str, Any]) -> list[str]:
         for c in stateful:
             e = r["loaders"][c]
             line += (f"  {c} {_fmt(e['without_sps'])} without, {_fmt(e['with_sps'])} with"
-                     f" ({_fmt(e['with_over_without'], '.3f')}x)")
+                     f" ({_fmt(e['with_over_without'], '.3f')}x; main CPU {_fmt(e.get('without_main_cpu_us'), '.0f')}"
+                     f" / {_fmt(e.get('with_main_cpu_us'), '.0f')} us a step)")
         out.append(line)
     if skipped:
         out.append(f"  {skipped}")

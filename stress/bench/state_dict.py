@@ -12,6 +12,12 @@ position were saved as anything but a count. The light and heavy pipelines run w
 persistent workers through several epochs, so every worker's RNGs have moved on from
 their seeds, as in a long run. Each case's loaders have a seed of their own
 (``config.STATE_DICT_SEEDS_FROM`` says why).
+
+Where Linux tells it (/proc/thread-self/schedstat), each call's wait for a CPU is read
+too: a call's *own* time is its wall time less that wait. The targets read the wall
+time, as a user meets it; the own time says how much of a slow call was the call and
+how much another process holding the CPU (on a machine with fewer cores than workers,
+the workers themselves).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Final
 
-from stress._probes import median, percentile, saved_bytes
+from stress._probes import median, percentile, run_queue_wait_ns, saved_bytes
 
 from .config import STATE_DICT_BATCH, STATE_DICT_SEEDS_FROM, StateDictCase
 from .contenders import Contender, build_loader, close_iterator
@@ -50,7 +56,9 @@ def measure_state_dict(
 ) -> list[dict[str, Any]]:
     """One row per case and contender with a ``state_dict()``: ``cold`` and ``warm``
     latency summaries (see the module docstring), the largest ``torch.save`` size of
-    the states sampled through the run, and every call's time."""
+    the states sampled through the run, and every call's time; where the waits for a
+    CPU can be read, ``cold_own`` and ``warm_own`` summaries of the calls' own time and
+    the count of calls that waited over 0.1 ms (``cold_waited_calls``, ``warm_waited_calls``)."""
     if warm_calls < 1:
         raise ValueError(f"warm_calls should be at least 1 (a warm call per batch), got {warm_calls}")
     rows = []
@@ -65,62 +73,92 @@ def measure_state_dict(
                 contender, dataset, STATE_DICT_BATCH, case.workers, case_seed, persistent=pipe.persistent
             )
             try:
-                cold_ns, warm_ns, sizes, epochs = _call_after_each_batch(loader, case.steps, warm_calls)
+                cold, warm, sizes, epochs = _call_after_each_batch(loader, case.steps, warm_calls)
             finally:
                 del loader
                 gc.collect()
-            rows.append(
-                {
-                    "loader": contender.name,
-                    "seed": case_seed,
-                    "workers": case.workers,
-                    "dataset_len": case.dataset_len,
-                    "pipeline": case.pipeline,
-                    "persistent": pipe.persistent,
-                    "steps": len(cold_ns),
-                    "epochs": epochs,
-                    "cold": latency_summary(cold_ns),
-                    "warm": latency_summary(warm_ns),
-                    "size_bytes": max(sizes),
-                    "sizes_bytes": sizes,
-                    "cold_us": [round(t / 1e3, 1) for t in cold_ns],
-                    "warm_us": [round(t / 1e3, 1) for t in warm_ns],
-                }
-            )
+            cold_ns, warm_ns = [wall for wall, _ in cold], [wall for wall, _ in warm]
+            row: dict[str, Any] = {
+                "loader": contender.name,
+                "seed": case_seed,
+                "workers": case.workers,
+                "dataset_len": case.dataset_len,
+                "pipeline": case.pipeline,
+                "persistent": pipe.persistent,
+                "steps": len(cold_ns),
+                "epochs": epochs,
+                "cold": latency_summary(cold_ns),
+                "warm": latency_summary(warm_ns),
+                "size_bytes": max(sizes),
+                "sizes_bytes": sizes,
+                "cold_us": [round(t / 1e3, 1) for t in cold_ns],
+                "warm_us": [round(t / 1e3, 1) for t in warm_ns],
+            }
+            for kind, calls in (("cold", cold), ("warm", warm)):
+                found = _own_times(calls)
+                if found is not None:
+                    row[f"{kind}_own"] = latency_summary(found[0])
+                    row[f"{kind}_waited_calls"] = found[1]
+            rows.append(row)
     return rows
+
+
+def _timed(loader: Any) -> tuple[tuple[int, int | None], Any]:
+    """One ``state_dict()`` call: (its wall time, the part of it spent waiting for a
+    CPU, or None where that cannot be read), in ns; and the state."""
+    queued = run_queue_wait_ns()
+    t0 = time.perf_counter_ns()
+    state = loader.state_dict()
+    wall = time.perf_counter_ns() - t0
+    after = run_queue_wait_ns()
+    waited = None if queued is None or after is None else min(wall, after - queued)
+    return (wall, waited), state
+
+
+_WAITED_NS: Final = 100_000  # a call that waited longer than this for a CPU is counted
+
+
+def _own_times(calls: Sequence[tuple[int, int | None]]) -> tuple[list[int], int] | None:
+    """Each call's wall time less its wait for a CPU (ns), and how many calls waited
+    longer than ``_WAITED_NS``; None when a wait is unknown."""
+    own = []
+    waited_calls = 0
+    for wall, waited in calls:
+        if waited is None:
+            return None
+        own.append(wall - waited)
+        waited_calls += waited > _WAITED_NS
+    return own, waited_calls
 
 
 def _call_after_each_batch(
     loader: Any, steps: int, warm_calls: int
-) -> tuple[list[int], list[int], list[int], int]:
-    """Cold and warm call times (ns), sampled torch.save sizes, and the epochs begun,
-    over ``steps`` batches of ``loader``, epoch after epoch."""
-    cold_ns: list[int] = []
-    warm_ns: list[int] = []
+) -> tuple[list[tuple[int, int | None]], list[tuple[int, int | None]], list[int], int]:
+    """Cold and warm calls (``_timed``'s pairs), sampled torch.save sizes, and the
+    epochs begun, over ``steps`` batches of ``loader``, epoch after epoch."""
+    cold: list[tuple[int, int | None]] = []
+    warm: list[tuple[int, int | None]] = []
     sizes: list[int] = []
     size_every = max(1, steps // _SIZE_SAMPLES)
     epochs = 0
     iterator = None
     try:
-        while len(cold_ns) < steps:
+        while len(cold) < steps:
             epochs += 1
             iterator = iter(loader)  # persistent workers carry on into the next epoch
-            begun = len(cold_ns)
+            begun = len(cold)
             for _ in iterator:
-                t0 = time.perf_counter_ns()
-                state = loader.state_dict()
-                cold_ns.append(time.perf_counter_ns() - t0)
+                timed, state = _timed(loader)
+                cold.append(timed)
                 for _ in range(warm_calls):
-                    t0 = time.perf_counter_ns()
-                    loader.state_dict()
-                    warm_ns.append(time.perf_counter_ns() - t0)
-                if len(cold_ns) % size_every == 0 or len(cold_ns) == steps:
+                    warm.append(_timed(loader)[0])
+                if len(cold) % size_every == 0 or len(cold) == steps:
                     sizes.append(len(saved_bytes(state)))
-                if len(cold_ns) == steps:
+                if len(cold) == steps:
                     break
-            if len(cold_ns) == begun:
+            if len(cold) == begun:
                 raise ValueError("the state_dict() case's dataset yields no batch: give it at least one")
     finally:
         if iterator is not None:
             close_iterator(iterator)
-    return cold_ns, warm_ns, sizes, epochs
+    return cold, warm, sizes, epochs

@@ -131,9 +131,12 @@ def checkpoint_targets(report: dict[str, Any]) -> list[Target]:
                 ((r[kind][f"{stat}_us"] / 1e3, kind, r) for r in at_w for kind in ("cold", "warm")),
                 key=lambda found: found[0],
             )
+            own = row.get(f"{kind}_own")
             targets.append(Target(
                 f"state_dict() {stat} at W={at}", value, "<=", limit, "ms",
-                f"issue 24; worst: {kind} calls, {_case(row)}",
+                f"issue 24; worst: {kind} calls, {_case(row)}"
+                + (f"; the calls' own time (less their wait for a CPU): {own[f'{stat}_us'] / 1e3:.2f} ms"
+                   if own is not None else ""),
             ))
         biggest = max(at_w, key=lambda r: r["size_bytes"])
         targets.append(Target(
@@ -155,12 +158,15 @@ def checkpoint_targets(report: dict[str, Any]) -> list[Target]:
     loops = [r for r in report.get("training_loop", []) if "with_over_without" in r["loaders"].get("snaploader", {})]
     if loops:
         worst = min(loops, key=lambda r: r["loaders"]["snaploader"]["with_over_without"])
+        ours_loop = worst["loaders"]["snaploader"]
         theirs = worst["loaders"].get("torchdata", {}).get("with_over_without")
+        added_cpu = ours_loop.get("with_main_cpu_us", math.nan) - ours_loop.get("without_main_cpu_us", math.nan)
         targets.append(Target(
             f"training loop with state_dict() every step / without (W={worst['workers']})",
-            worst["loaders"]["snaploader"]["with_over_without"], ">=", 0.99, "x",
+            ours_loop["with_over_without"], ">=", 0.99, "x",
             f"issue 24; worst pipeline: {worst['pipeline']}"
-            + (f"; torchdata {theirs:.3f}x" if theirs is not None else ""),
+            + (f"; torchdata {theirs:.3f}x" if theirs is not None else "")
+            + (f"; the call adds {added_cpu:.0f} µs of main-process CPU a step" if math.isfinite(added_cpu) else ""),
         ))
     return targets
 

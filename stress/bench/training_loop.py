@@ -8,7 +8,9 @@ least a real loop would see. Every variant runs ``repeats`` times, interleaved w
 the starting one rotating (A B C, B C A, ...); each trial builds a fresh loader with
 persistent workers, seeded apart from every other (``config.LOOP_SEEDS_FROM`` says
 why), and times from the first batch to the last (worker start-up is apart). The ratio of a loader's loop with the call to the one without is taken per
-repeat (the two ran close in time) and its median reported.
+repeat (the two ran close in time) and its median reported, beside the main process's
+CPU time a step with and without the call: on a machine with fewer cores than
+workers, every µs of it is taken from the workers too.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def measure_training_loop(
         variants = [(c, False) for c in contenders]
         variants += [(c, True) for c in contenders if c.name != "torch"]
         runs: dict[tuple[str, bool], list[float]] = {(c.name, calls): [] for c, calls in variants}
+        cpu: dict[tuple[str, bool], list[float]] = {(c.name, calls): [] for c, calls in variants}
         for rep in range(repeats):
             shift = rep % len(variants)
             for contender, calls in [*variants[shift:], *variants[:shift]]:
@@ -52,16 +55,23 @@ def measure_training_loop(
                 loader = build_loader(
                     contender, dataset, STATE_DICT_BATCH, workers, trial_seed, persistent=pipe.persistent
                 )
-                runs[(contender.name, calls)].append(_steps_per_s(loader, case.steps, calls))
+                steps_per_s, cpu_us = _steps_per_s(loader, case.steps, calls)
+                runs[(contender.name, calls)].append(steps_per_s)
+                cpu[(contender.name, calls)].append(cpu_us)
                 del loader
                 gc.collect()
         loaders: dict[str, dict[str, Any]] = {}
         for contender in contenders:
             without = runs[(contender.name, False)]
-            entry: dict[str, Any] = {"without_sps": median(without), "without_runs_sps": without}
+            entry: dict[str, Any] = {
+                "without_sps": median(without),
+                "without_runs_sps": without,
+                "without_main_cpu_us": median(cpu[(contender.name, False)]),
+            }
             if (contender.name, True) in runs:
                 with_ = runs[(contender.name, True)]
                 entry["with_sps"] = median(with_)
+                entry["with_main_cpu_us"] = median(cpu[(contender.name, True)])
                 entry["with_runs_sps"] = with_
                 entry["with_over_without"] = median([a / b for a, b in zip(with_, without)])
             loaders[contender.name] = entry
@@ -79,20 +89,23 @@ def measure_training_loop(
     return rows
 
 
-def _steps_per_s(loader: Any, steps: int, calls: bool) -> float:
+def _steps_per_s(loader: Any, steps: int, calls: bool) -> tuple[float, float]:
     """Steps per second over one epoch of ``steps`` batches, from the first batch to
-    the last, each step followed by ``loader.state_dict()`` when ``calls``."""
+    the last, each step followed by ``loader.state_dict()`` when ``calls``; and the
+    main process's CPU time a step over the same span (µs)."""
     iterator = iter(loader)
     try:
         next(iterator)
         if calls:
             loader.state_dict()
         t_first = time.perf_counter()
+        cpu_first = time.process_time()
         for _ in range(steps - 1):
             next(iterator)
             if calls:
                 loader.state_dict()
         elapsed = time.perf_counter() - t_first
+        cpu_s = time.process_time() - cpu_first
     finally:
         close_iterator(iterator)
-    return (steps - 1) / elapsed
+    return (steps - 1) / elapsed, cpu_s / (steps - 1) * 1e6
