@@ -14,11 +14,10 @@ CHECKPOINT_WORKERS: Final = 8  # issue 24's state_dict() targets and training lo
 STATE_DICT_BATCH: Final = 16  # batch size of the state_dict() and training-loop loaders
 EPOCH_ITEMS: Final = 32 * STATE_DICT_BATCH  # light and heavy: 32 batches an epoch
 # Every loader whose state_dict() is timed gets a generator seed of its own, counted
-# from these (plus Config.seed): snaploader remembers, per process, how far it has
-# searched the generator path of each (base seed, worker) for twist counts
-# (_rngcode._paths), and a later loader drawn from the same seed finds its states
-# behind that mark and searches to the bound, 100 ms a call. Loaders sharing a seed
-# would measure the previous measure's leftovers, not a training run's cost.
+# from these (plus Config.seed), so that no measure reads states another one left
+# behind. Until 2026-12-02 that mattered most: state_dict() searched twist counts and
+# remembered, per process, how far it had searched each (base seed, worker) path, so a
+# later loader of the same seed measured the previous one's leftovers (100 ms a call).
 STATE_DICT_SEEDS_FROM: Final = 1_000
 LOOP_SEEDS_FROM: Final = 2_000
 
