@@ -33,14 +33,21 @@ class Shifted(Dataset[torch.Tensor]):
 
 
 def _state_with_prefetched(dataset: Any, **kwargs: Any) -> dict[str, Any]:
-    loader = snaploader.DataLoader(dataset, batch_size=2, shuffle=True, num_workers=2, generator=generator(0), **kwargs)
-    iterator = iter(loader)
-    next(iterator)
-    next(iterator)
-    time.sleep(0.3)  # let the prefetched batches arrive
-    state = through_bytes(loader.state_dict())
-    del iterator
-    return state
+    """A checkpoint after two batches, taken once the main process has received
+    prefetched batches: it takes those that have landed when ``next()`` runs, so the
+    workers get time to finish theirs before the second one (more time on a busy
+    machine: a loader is built afresh for each try)."""
+    for wait_s in (0.3, 1.0, 3.0):
+        loader = snaploader.DataLoader(dataset, batch_size=2, shuffle=True, num_workers=2, generator=generator(0), **kwargs)
+        iterator = iter(loader)
+        next(iterator)
+        time.sleep(wait_s)  # the workers finish their prefetched batches
+        next(iterator)
+        state = through_bytes(loader.state_dict())
+        del iterator
+        if any(entry is not None for entry in state["next_batches"]):
+            return state
+    raise AssertionError(f"no prefetched batch's digest in the checkpoint after waiting {wait_s} s: {state['next_batches']}")
 
 
 def _resume(dataset: Any, state: dict[str, Any], **kwargs: Any) -> list[warnings.WarningMessage]:
