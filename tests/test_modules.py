@@ -24,6 +24,7 @@ GROUP_ORDER = (
     "_epoch",
     "_loader",
     "distributed",
+    "shards",
     "_tools",
     "integrations",
     "",  # the package's entry points: __init__, __main__, demo
