@@ -61,9 +61,9 @@ def _header(cursor: _Cursor, url: str, offset: int) -> tarfile.TarInfo | None:
     cursor.offset = offset
     try:
         info = tarfile.TarInfo.fromtarfile(cursor)  # type: ignore[arg-type]
-    except tarfile.EOFHeaderError:
+    except tarfile.EOFHeaderError:  # type: ignore[attr-defined]
         return None
-    except tarfile.EmptyHeaderError:
+    except (tarfile.EmptyHeaderError, tarfile.TruncatedHeaderError):  # type: ignore[attr-defined]
         raise ShardError(
             f"shard {url} ends at byte {offset} without tar's end-of-archive blocks: the file "
             "is truncated (an interrupted copy or download?); copy it again"
@@ -93,7 +93,8 @@ def samples(fileobj: IO[bytes], url: str, offset: int, limit: int = -1) -> Itera
     sample starts (the end-of-archive block after the last). At most ``limit`` samples
     when ``limit`` >= 0 (the next sample's first header is still read, to end this one)."""
     cursor = _Cursor(fileobj)
-    start, key, sample = offset, None, None
+    start, key = offset, None
+    sample: dict[str, Any] | None = None
     done = 0
     while limit < 0 or done < limit:
         info = _header(cursor, url, offset)
