@@ -294,3 +294,20 @@ def test_bad_arguments() -> None:
         ShardStream(["a.tar"], shuffle_buffer=-1)
     with pytest.raises(ValueError, match="rank"):
         ShardStream(["a.tar"], rank=2, world_size=2)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_after_the_rest_of_a_resplit_epoch_the_epochs_are_ordinary(urls: list[str], persistent: bool) -> None:
+    head: list[int] = []
+    states = []
+    for rank in range(2):
+        loader = make_loader(urls, 2, rank=rank, world_size=2)
+        it = iter(loader)
+        head += ids([next(it)])
+        states.append(loader.state_dict())
+        del it
+    workers = 2 if persistent else 0
+    resplit_loader = resplit(states, make_loader(urls, workers, rank=0, world_size=1, persistent_workers=persistent))
+    rest = ids(list(resplit_loader))
+    assert sorted(head + rest) == EVERY
+    assert sorted(ids(list(resplit_loader))) == EVERY

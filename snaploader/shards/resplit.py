@@ -49,6 +49,8 @@ def remaining_work(states: Sequence[Any], stream: ShardStream) -> tuple[Work, ..
             "the shards differently and their shares overlap: nothing can tell which samples "
             "the epoch still holds. Give every rank's loader the same generator seed"
         )
+    fresh: list[str] = []  # workers that yielded nothing: their whole share is left
+    explicit = False  # a worker was reading an earlier resplit's work, not its epoch share
     loose: list[Work] = []
     partial: list[Work] = []
     whole: list[Work] = []
@@ -58,6 +60,7 @@ def remaining_work(states: Sequence[Any], stream: ShardStream) -> tuple[Work, ..
             split = (rank, world, w, max(1, workers))
             at = ledger.yielded
             if at is None:
+                fresh.append(f"rank {rank}'s worker {w}")
                 whole += epoch_plan(len(stream.urls), first.base_seed, stream.shuffle_shards, split)
                 continue
             if at.data_owner != "iterator" or not at.complete:
@@ -73,6 +76,7 @@ def remaining_work(states: Sequence[Any], stream: ShardStream) -> tuple[Work, ..
                     f"{shard.split[1]}, worker {shard.split[2]} of {shard.split[3]}: give the states "
                     "in rank order, one per old rank"
                 )
+            explicit = explicit or shard.plan is not None
             plan = list(shard.plan) if shard.plan is not None else epoch_plan(
                 len(stream.urls), shard.seed, stream.shuffle_shards, split)
             loose += [(s, o, 1) for s, o in shard.buffer]
@@ -83,6 +87,13 @@ def remaining_work(states: Sequence[Any], stream: ShardStream) -> tuple[Work, ..
                 elif shard.left != 0:
                     partial.append((s, shard.offset, shard.left))
                 whole += plan[shard.item + 1 :]
+    if explicit and fresh:
+        raise CheckpointMismatchError(
+            f"these checkpoints were taken while the old run itself finished a resplit epoch, "
+            f"and {', '.join(fresh)} had yielded no batch of it yet, so its share of that epoch "
+            "is not in the checkpoint: resume on the old world size (resplit with the states "
+            "that epoch came from), or from a checkpoint taken after it"
+        )
     return tuple(loose + partial + whole)
 
 

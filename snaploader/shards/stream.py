@@ -161,7 +161,11 @@ class ShardStream(IterableDataset[Any]):
         return rank, world, int(info.id), int(info.num_workers)
 
     def __iter__(self) -> ShardIterator:
-        return ShardIterator(self, epoch_seed(), self.split())
+        # The rest of an old epoch is read by this pass only: a persistent worker's copy
+        # of the stream starts its next epoch afresh (the main process's copy is cleared
+        # by ResplitLoader at the end of that epoch).
+        remainder, self.remainder = self.remainder, None
+        return ShardIterator(self, epoch_seed(), self.split(), remainder)
 
     def __repr__(self) -> str:
         return f"ShardStream({self.fingerprint}, shuffle_buffer={self.shuffle_buffer})"
@@ -170,10 +174,9 @@ class ShardStream(IterableDataset[Any]):
 class ShardIterator:
     """One worker's pass over its share of an epoch, with its state (module docstring)."""
 
-    def __init__(self, stream: ShardStream, seed: int, split: Split) -> None:
+    def __init__(self, stream: ShardStream, seed: int, split: Split, remainder: tuple[Work, ...] | None = None) -> None:
         self.stream = stream
         self.seed, self.split = seed, split
-        remainder = stream.remainder
         self.plan: list[Work] = deal(remainder, split) if remainder is not None else self._epoch_plan()
         self.explicit = remainder is not None
         self.item, self.offset, self.left = 0, -1, 0  # offset -1: the item is not started
