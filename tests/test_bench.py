@@ -45,6 +45,9 @@ def tiny_config() -> Config:
         seed_repeats=2,
         seed_batches=6,
         seed_states_calls=2,
+        shards=(3, 8, 4, 4, 1),
+        shards_read_ms=0.5,
+        shards_repeats=1,
     )
 
 
@@ -57,7 +60,7 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     report = run(config, tmp_path, log=lambda line: None)
 
     saved = json.loads((tmp_path / "results.json").read_text())
-    for key in ("meta", "config", "contenders", "workloads", "state_dict", "seed_per_sample", "restore", "targets",
+    for key in ("meta", "config", "contenders", "workloads", "state_dict", "seed_per_sample", "restore", "shards", "targets",
                 "timing_s"):
         assert key in saved, key
     measured = [c for c, v in saved["contenders"].items() if v["skipped"] is None]

@@ -20,7 +20,7 @@ from snaploader import CheckpointFormatError, CheckpointMismatchError
 from snaploader.shards import Decoder, ShardError, ShardStream, decode, resplit
 from snaploader.shards.tar import samples
 
-from ._shard_streams import BATCH, BUFFER, PER_SHARD, SHARDS, ids, make_loader, member, write_shards
+from ._shard_streams import BATCH, BUFFER, PER_SHARD, SHARDS, augment, ids, make_loader, member, write_shards
 from ._support import assert_same
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,9 +65,13 @@ def test_fresh_process_resume_is_bit_for_bit(urls: list[str], tmp_path: Path, nu
         assert_same(following, reference[1])
 
 
-def test_the_order_is_a_function_of_the_seed(urls: list[str]) -> None:
-    assert_same(list(make_loader(urls, 2, seed=1)), list(make_loader(urls, 2, seed=1)))
+def test_the_order_is_a_function_of_the_seed_and_torchs_for_it(urls: list[str]) -> None:
+    ours = list(make_loader(urls, 2, seed=1))
+    assert_same(ours, list(make_loader(urls, 2, seed=1)))
     assert ids(list(make_loader(urls, 0, seed=1))) != ids(list(make_loader(urls, 0, seed=2)))
+    theirs = torch.utils.data.DataLoader(ShardStream(urls, shuffle_buffer=BUFFER, map=augment), batch_size=BATCH,
+                                         num_workers=2, generator=torch.Generator().manual_seed(1))
+    assert_same(ours, list(theirs))
 
 
 class _CountingFile(io.FileIO):
@@ -311,3 +315,11 @@ def test_after_the_rest_of_a_resplit_epoch_the_epochs_are_ordinary(urls: list[st
     rest = ids(list(resplit_loader))
     assert sorted(head + rest) == EVERY
     assert sorted(ids(list(resplit_loader))) == EVERY
+
+
+def test_every_public_name_has_a_section_in_the_docs() -> None:
+    import snaploader.shards
+
+    doc = (ROOT / "docs" / "shards.md").read_text()
+    missing = [name for name in snaploader.shards.__all__ if f"`{name}" not in doc]
+    assert not missing, f"docs/shards.md does not name {missing}"

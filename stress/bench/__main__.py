@@ -30,6 +30,7 @@ from .plot import plot_throughput
 from .report import render_markdown, render_text
 from .restore import measure_restore
 from .seed_per_sample import measure_seed_per_sample
+from .shards import measure_shards
 from .snapshot import measure_snapshot
 from .state_dict import measure_state_dict
 from .targets import evaluate_targets
@@ -155,6 +156,13 @@ def _run(config: Config, out_dir: Path, log: Callable[[str], None]) -> dict[str,
         config.restore_repeats, config.table_workers, config.seed, log, config.restore_fractions,
     )
     report["timing_s"]["restore"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    log("shard stream: a resume late in the epoch, by state and by replay, to the first batch")
+    report["shards"] = measure_shards(
+        *config.shards, config.shards_read_ms, config.shards_fraction, config.shards_repeats, config.seed, log
+    )
+    report["timing_s"]["shards"] = time.perf_counter() - t0
 
     report["targets"] = [asdict(t) for t in evaluate_targets(report)]
     report["plot"] = plot_throughput(report, out_dir / "throughput_vs_workers.png")

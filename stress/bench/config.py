@@ -74,6 +74,12 @@ class Config:
     seed_repeats: int = 5
     seed_batches: int = 2_000
     seed_states_calls: int = 100
+    # a tar-shard stream resumed at shards_fraction of its epoch (issue 35): shards of
+    # samples, a shuffle buffer, batches, workers, a simulated read per sample in ms
+    shards: tuple[int, int, int, int, int] = (8, 50, 100, 10, 2)
+    shards_read_ms: float = 5.0
+    shards_fraction: float = 0.9
+    shards_repeats: int = 5
     seed: int = 0
 
     @staticmethod
@@ -129,4 +135,5 @@ class Config:
             seed_repeats=3,
             seed_batches=1_000,
             seed_states_calls=50,
+            shards_repeats=3,
         )

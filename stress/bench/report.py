@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .shards import shards_markdown
 from .state_dict import describe_pipeline
 
 
@@ -278,6 +279,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 )
             else:
                 lines.append(f"| {c} | {_fmt(e['cold_ms'])} |" + " — |" * (len(pos) + 2))
+    if report.get("shards"):
+        lines += shards_markdown(report["shards"])
     if report.get("targets"):
         lines += ["", "| target | measured | limit | met |", "| --- | --- | --- | --- |"]
         for t in report["targets"]:
@@ -344,6 +347,8 @@ def render_text(report: dict[str, Any]) -> str:
                 line += (f"  late/early {e['late_over_early']:.2f}"
                          f"  exact {all(e[f'{label}_batch_matches'] for label in restore['positions'])}")
             out.append(line)
+    if report.get("shards"):
+        out += shards_markdown(report["shards"])
     if report.get("targets"):
         out.append("")
         out.append("Targets")
