@@ -140,6 +140,10 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
             assert isinstance(restore[name][f"{label}_batch_matches"], bool)
     assert all(restore["snaploader"][f"{label}_batch_matches"] for label in positions)
     assert _positive(restore["torch"]["cold_ms"])
+    shards = saved["shards"]  # issue 35's row: both resumes yield the uninterrupted batch
+    assert shards["exact"] == {"state": True, "replay": True}
+    assert all(_positive(shards["ms"][case]) for case in ("torch", "fresh", "state", "replay"))
+    assert "Shard stream" in (tmp_path / "results.md").read_text()
 
     names = {t["name"] for t in saved["targets"]}
     assert any("throughput" in n for n in names) and any("snapshot" in n for n in names)

@@ -24,6 +24,9 @@ What it measures (``docs/performance.md`` explains the method and each number):
   at W = 0 and with worker processes;
 - the time from ``load_state_dict`` to the first batch when resuming early and late in
   a long shuffled epoch, beside torch's own cold start (``iter()`` to first batch).
+- a tar-shard stream (``snaploader.shards.ShardStream``) resumed at 90% of its epoch,
+  through its state and by replay, to the first batch, with a simulated 5 ms read per
+  sample, beside a fresh epoch's first batch (snaploader's and torch's).
 
 Outputs in ``--out``: ``results.json`` (every number, every repeat), ``results.md``
 (the tables for docs/performance.md), ``throughput_vs_workers.png`` (needs
@@ -33,7 +36,7 @@ never asserted: the exit status is 0 whatever the timings.
 The package holds one concern a module: ``config`` (the sizes of a run),
 ``workloads`` (the datasets), ``contenders`` (the loaders compared), one module per
 measure (``throughput`` with first-batch latency and CPU time, ``memory``'s sampler
-beside it, ``snapshot``, ``state_dict``, ``training_loop``, ``seed_per_sample``, ``restore``),
+beside it, ``snapshot``, ``state_dict``, ``training_loop``, ``seed_per_sample``, ``restore``, ``shards``),
 ``targets`` (the limits each run is read against, apart from the measures),
 ``report`` and ``plot`` (the renderings), and ``__main__`` (the orchestration,
 ``run()``, and the command line, ``main()``). Probes shared with the other stress

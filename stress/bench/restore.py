@@ -22,6 +22,20 @@ def _same(a: Any, b: Any) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
 
 
+def time_first_batch(loader: Any, state: Any) -> tuple[float, Any]:
+    """ms from ``load_state_dict(state)`` (None: no checkpoint, a cold start) and
+    ``iter()`` to the first batch, and that batch; the iterator's workers stopped."""
+    gc.collect()
+    t0 = time.perf_counter()
+    if state is not None:
+        loader.load_state_dict(state)
+    iterator = iter(loader)
+    batch = next(iterator)
+    elapsed = time.perf_counter() - t0
+    close_iterator(iterator)
+    return elapsed * 1e3, batch
+
+
 def restore_positions(total: int, late_fraction: float, fractions: Sequence[float]) -> dict[str, int]:
     """Label -> the batch after which a checkpoint is taken: ``early`` (batch 1), one per
     fraction strictly between (labelled like ``10%``), and ``late``, in that order."""
@@ -87,16 +101,9 @@ def measure_restore(
             if label != "cold":
                 blob, expected = saved[(contender.name, label)]
                 state = torch.load(io.BytesIO(blob), weights_only=True)
-            gc.collect()
-            t0 = time.perf_counter()
-            if state is not None:
-                loader.load_state_dict(state)
-            iterator = iter(loader)
-            batch = next(iterator)
-            elapsed = time.perf_counter() - t0
-            close_iterator(iterator)
-            del iterator, loader
-            times[(contender.name, label)].append(elapsed * 1e3)
+            elapsed_ms, batch = time_first_batch(loader, state)
+            del loader
+            times[(contender.name, label)].append(elapsed_ms)
             if label != "cold":
                 ok = _same(batch, expected)
                 matches[(contender.name, label)] = matches.get((contender.name, label), True) and ok

@@ -22,6 +22,8 @@ import torch
 
 from stress._probes import median, saved_bytes
 
+from .restore import time_first_batch
+
 from snaploader import DataLoader
 from snaploader.shards import ShardStream
 
@@ -33,8 +35,8 @@ class _SlowFile(io.FileIO):
 
     read_s = 0.0
 
-    def read(self, size: int = -1) -> bytes:
-        if size > tarfile.BLOCKSIZE:
+    def read(self, size: int | None = -1) -> bytes:
+        if size is not None and size > tarfile.BLOCKSIZE:
             time.sleep(self.read_s)
         return super().read(size)
 
@@ -99,19 +101,13 @@ def measure_shards(
                                                       generator=torch.Generator().manual_seed(seed))
         else:
             loader = snap(case != "replay")
-        expected = None
+        expected, state = None, None
         if case in checkpoints:
             raw, expected = checkpoints[case]
             state = torch.load(io.BytesIO(raw), weights_only=True)
-        start = time.perf_counter()
-        if expected is not None:
-            loader.load_state_dict(state)
-        iterator = iter(loader)
-        batch = next(iterator)
-        took = time.perf_counter() - start
-        del iterator, loader
-        gc.collect()
-        return took * 1000, expected is None or torch.equal(batch, expected)
+        ms, batch = time_first_batch(loader, state)
+        del loader
+        return ms, expected is None or torch.equal(batch, expected)
 
     cases = ("torch", "fresh", "state", "replay")
     times: dict[str, list[float]] = {c: [] for c in cases}
@@ -124,15 +120,15 @@ def measure_shards(
     for url in urls:
         os.unlink(url)
     os.rmdir(folder)
-    result = {
+    result: dict[str, Any] = {
         "shards": shards, "per_shard": per_shard, "buffer": buffer, "batch_size": batch_size,
         "workers": workers, "read_ms": read_ms, "resume_after": k, "batches_per_epoch": total,
         "ms": {c: median(times[c]) for c in cases}, "all_ms": times,
         "exact": {c: exact[c] for c in ("state", "replay")},
     }
-    ms = result["ms"]
-    log(f"  first batch: torch fresh {ms['torch']:.0f} ms, snaploader fresh {ms['fresh']:.0f} ms, "
-        f"resumed after {k}/{total} by state {ms['state']:.0f} ms, by replay {ms['replay']:.0f} ms")
+    got = result["ms"]
+    log(f"  first batch: torch fresh {got['torch']:.0f} ms, snaploader fresh {got['fresh']:.0f} ms, "
+        f"resumed after {k}/{total} by state {got['state']:.0f} ms, by replay {got['replay']:.0f} ms")
     return result
 
 
