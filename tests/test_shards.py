@@ -21,7 +21,7 @@ from snaploader.shards import Decoder, ShardError, ShardStream, decode, resplit
 from snaploader.shards.tar import samples
 
 from ._shard_streams import BATCH, BUFFER, PER_SHARD, SHARDS, augment, ids, make_loader, member, write_shards
-from ._support import assert_same
+from ._support import assert_same, mp_helpers  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY = list(range(SHARDS * PER_SHARD))
@@ -174,7 +174,8 @@ def test_an_edited_stream_state_is_a_format_error(urls: list[str]) -> None:
     it = iter(stream)
     next(it)
     good = it.state_dict()
-    for key, value in (("item", 99), ("buffer", [[SHARDS, 0]]), ("split", [0, 1, 0]), ("offset", "x")):
+    for key, value in (("item", 99), ("buffer", [[SHARDS, 0]]), ("buffer", [[0, 0], [0, 0]]),
+                       ("split", [0, 1, 0]), ("offset", "x")):
         bad = dict(good, **{key: value})
         with pytest.raises(CheckpointFormatError, match=key):
             iter(stream).load_state_dict(bad)
@@ -283,6 +284,31 @@ def test_fsspec_memory_urls_resume_exactly(tmp_path: Path) -> None:
         fs.rm("memory://snaploader-test", recursive=True)
 
 
+def test_fsspec_local_files_seek(urls: list[str]) -> None:
+    fsspec = pytest.importorskip("fsspec", reason="fsspec is not installed")
+
+    def fsspec_open(url: str) -> Any:
+        return fsspec.open(url, "rb").open()
+
+    reference = list(make_loader(urls, 0))
+    state = _cut(urls, 0, 20)
+    resumed = make_loader(urls, 0, open=fsspec_open)
+    resumed.load_state_dict(state)
+    assert_same(list(resumed), reference[20:])
+
+
+def test_the_main_processs_world_travels_to_a_spawned_worker(urls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    blob = pickle.dumps(ShardStream(urls))
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert pickle.loads(blob).world() == (1, 2)
+    assert ShardStream(urls).world() == (0, 1)
+
+
 def test_a_url_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(ImportError, match=r"snaploader\[shards\]"):
@@ -323,3 +349,16 @@ def test_every_public_name_has_a_section_in_the_docs() -> None:
     doc = (ROOT / "docs" / "shards.md").read_text()
     missing = [name for name in snaploader.shards.__all__ if f"`{name}" not in doc]
     assert not missing, f"docs/shards.md does not name {missing}"
+
+
+@pytest.mark.usefixtures("mp_helpers")
+def test_spawned_workers_resume_exactly(urls: list[str]) -> None:
+    reference = list(make_loader(urls, 1))
+    loader = make_loader(urls, 1, multiprocessing_context="spawn")
+    it = iter(loader)
+    head = [next(it) for _ in range(10)]
+    state = loader.state_dict()
+    del it
+    resumed = make_loader(urls, 1, multiprocessing_context="spawn")
+    resumed.load_state_dict(state)
+    assert_same(head + list(resumed), reference)

@@ -95,6 +95,8 @@ def read_state(state: Any, stream: ShardStream, split: Split | None) -> ShardSta
     buffer = tuple(_ints(ref, "buffer", 2) for ref in state["buffer"])
     if not all(0 <= s < count and o >= 0 for s, o in buffer):
         raise _fail("buffer", f"holds a reference out of range for {count} shards")
+    if len(set(buffer)) != len(buffer):
+        raise _fail("buffer", "holds a sample's reference twice")
     if len(buffer) > max(1, stream.shuffle_buffer):
         raise CheckpointMismatchError(
             f"the checkpoint's shuffle buffer holds {len(buffer)} samples, more than this "

@@ -140,11 +140,22 @@ class ShardStream(IterableDataset[Any]):
         # The rest of an epoch interrupted on another world size, dealt anew
         # (shards/resplit.py); None in an ordinary epoch.
         self.remainder: tuple[Work, ...] | None = None
+        # The main process's world, read when the stream is pickled for a spawned
+        # worker, where torch.distributed is not initialized (a forked one inherits it).
+        self._world: tuple[int, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self.world_size is None:
+            state["_world"] = self.world()
+        return state
 
     def world(self) -> tuple[int, int]:
         """(rank, world size) this stream splits its shards by."""
         if self.world_size is not None and self.rank is not None:
             return self.rank, self.world_size
+        if self._world is not None:
+            return self._world
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -244,7 +255,8 @@ class ShardIterator:
         read: dict[tuple[int, int], dict[str, Any]] = {}
         for shard, offsets in by_shard.items():
             url = self.stream.urls[shard]
-            with open_shard(self.stream.open, url) as file:
+            file = open_shard(self.stream.open, url)
+            try:
                 for offset in offsets:
                     found = next(samples(file, url, offset, 1), None)
                     if found is None or found[0] != offset:
@@ -254,6 +266,8 @@ class ShardIterator:
                             "checkpoint was taken; resume with the shards it was taken with"
                         )
                     read[shard, offset] = found[2]
+            finally:
+                file.close()
         self.buffer = [(ref, read[ref]) for ref in self.unread]
         self.unread = []
 
