@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
-from .._errors import CheckpointFormatError
+from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._rng.objects import ObjectRngs, RngReport
 from .._rng.per_sample import Domain, SampleSeeder
 from .._format.plain import check_plain
@@ -383,6 +383,8 @@ class WorkerRuntime:
 def _blame_own_state(exc: BaseException, dataset: Any, how: str) -> BaseException:
     """``exc``, with a note naming the dataset's own state protocol as the likely cause
     of a failed restore, and the option that resumes without it."""
+    if isinstance(exc, (CheckpointFormatError, CheckpointMismatchError)):
+        return exc  # the dataset refused the state itself, saying why: no guess to add
     name = type(dataset).__qualname__
     exc.add_note(
         f"Raised {how} {name}'s own state from a snapshot (a checkpoint's, or the last "
