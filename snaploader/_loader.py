@@ -26,7 +26,7 @@ from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
 from ._epoch.plan import stateful_part
 from ._epoch.resize import part_batches, resized
-from ._state.records import has_state_protocol, resolve_state_protocol
+from ._state.records import check_own_states, has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count, state_with_skip
 
@@ -378,6 +378,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         mine = self._fingerprint()
         allowed = frozenset(allow_mismatch) | lightning_rank0_state(state, mine)
         restore = read_state(state, mine, allowed, facts, self.persistent_workers)
+        if self.state_protocol and not restore.checkpoint.ended:
+            check_own_states(self.dataset, restore.ledgers)
         if not restore.start.in_order and (skip or skip_to is not None):
             raise ValueError(
                 f"skip={skip}, skip_to={skip_to}: a skip counts batches in the fixed order, "

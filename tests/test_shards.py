@@ -166,12 +166,26 @@ def test_a_checkpoint_in_a_resplit_epoch_resumes_exactly(urls: list[str]) -> Non
 def test_a_checkpoint_over_other_shards_is_refused(urls: list[str]) -> None:
     state = _cut(urls, 0, 5)
     for other in (urls[:-1], urls[::-1]):
-        loader = make_loader(other, 0)
-        loader.load_state_dict(state)
-        with pytest.raises(CheckpointMismatchError, match="another shard list") as caught:
-            next(iter(loader))
-        # the stream said why; no note guessing that its protocol is lossy
-        assert "state_protocol=False" not in "".join(getattr(caught.value, "__notes__", []))
+        with pytest.raises(CheckpointMismatchError, match="another shard list"):
+            make_loader(other, 0).load_state_dict(state)  # before any worker starts
+    # In a worker too, where the stream's own load_state_dict() checks it again: the
+    # error says why, with no note guessing that the protocol is lossy.
+    stream = ShardStream(urls[:-1])
+    with pytest.raises(CheckpointMismatchError, match="another shard list") as caught:
+        iter(stream).load_state_dict(state["workers"][0]["yielded"]["data"])
+    assert not getattr(caught.value, "__notes__", None)
+    ended = _cut(urls, 0, None)  # an epoch's end holds no position in the shards
+    make_loader(urls + [urls[0]], 0).load_state_dict(ended)
+
+
+def test_a_checkpoint_of_another_world_size_points_to_resplit(urls: list[str]) -> None:
+    loader = make_loader(urls, 2, rank=0, world_size=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    with pytest.raises(CheckpointMismatchError, match="snaploader.shards.resplit"):
+        make_loader(urls, 2, rank=0, world_size=1).load_state_dict(state)
 
 
 def test_an_edited_stream_state_is_a_format_error(urls: list[str]) -> None:

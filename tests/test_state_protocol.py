@@ -392,6 +392,47 @@ def test_a_restore_error_in_the_datasets_own_load_state_dict_names_it_and_the_fi
     assert "state_protocol=False" in note
 
 
+class _CheckedState(_RefusingState):
+    """A protocol that refuses a foreign state with snaploader's own error."""
+
+    def __init__(self, n: int, shards: list[int]) -> None:
+        super().__init__(n)
+        self.shards = shards
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shards": self.shards}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["shards"] != self.shards:
+            raise snaploader.CheckpointMismatchError(f"taken over shards {state['shards']}, not {self.shards}")
+
+
+class _CheckedAtLoad(_CheckedState):
+    """The same, with the load-time hook the loader calls in the main process."""
+
+    def check_state(self, state: Any, owner: str) -> None:
+        assert owner == "dataset"
+        self.load_state_dict(state)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_that_refuses_a_state_says_why_at_load_state_dict_or_in_the_worker(num_workers: int) -> None:
+    def make(shards: list[int], checks: bool) -> snaploader.DataLoader:
+        dataset = (_CheckedAtLoad if checks else _CheckedState)(120, shards)
+        return snaploader.DataLoader(dataset, batch_size=4, num_workers=num_workers, generator=generator(0))
+
+    _, state = _cut(make([0], False), 5)
+    with pytest.raises(snaploader.CheckpointMismatchError, match="taken over shards"):
+        make([1], True).load_state_dict(state)  # check_state: before anything forks
+    resumed = make([1], False)
+    resumed.load_state_dict(state)
+    with pytest.raises(snaploader.CheckpointMismatchError, match="taken over shards") as excinfo:
+        list(resumed)
+    # the dataset said why: no note guessing that its protocol is lossy
+    assert "state_protocol=False" not in "\n".join(getattr(excinfo.value, "__notes__", []))
+    make([0], True).load_state_dict(state)  # its own state passes
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("num_workers", [0, 2])

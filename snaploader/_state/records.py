@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING, Any
 from .._errors import user_stacklevel
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from .._rng.capture import NativeRng
+    from .ledger import WorkerLedger
     from .._rng.objects import RngReport
 
 
@@ -82,6 +85,20 @@ def has_state_protocol(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+def check_own_states(dataset: Any, ledgers: Iterable[WorkerLedger]) -> None:
+    """Run the dataset's optional ``check_state(state, owner)`` on each worker state a
+    mid-epoch checkpoint holds for it (``owner``: ``"dataset"`` or ``"iterator"``), in
+    the main process, so that a state the dataset refuses (taken over other data, say)
+    raises at ``load_state_dict()``, before anything forks, rather than in a worker."""
+    check = getattr(dataset, "check_state", None)
+    if not callable(check):
+        return
+    for ledger in ledgers:
+        for snapshot in {id(s): s for s in (ledger.yielded, ledger.yielded_complete) if s is not None}.values():
+            if snapshot.data_owner is not None and snapshot.complete:
+                check(snapshot.data, snapshot.data_owner)
 
 
 def resolve_state_protocol(option: Any, dataset: Any) -> tuple[bool, str | None]:

@@ -178,6 +178,15 @@ class ShardStream(IterableDataset[Any]):
         remainder, self.remainder = self.remainder, None
         return ShardIterator(self, epoch_seed(), self.split(), remainder)
 
+    def check_state(self, state: Any, owner: str) -> None:
+        """snaploader's load-time check of a worker's state (``_state/records.py``'s
+        ``check_own_states``): a state taken over other shards, or on another world
+        size, is refused at ``load_state_dict()``, before any worker starts."""
+        from .state import read_state
+
+        if owner == "iterator":
+            read_state(state, self, (*self.world(), 0, 1))
+
     def __repr__(self) -> str:
         return f"ShardStream({self.fingerprint}, shuffle_buffer={self.shuffle_buffer})"
 
