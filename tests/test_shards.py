@@ -381,3 +381,27 @@ def test_spawned_workers_resume_exactly(urls: list[str]) -> None:
     resumed = make_loader(urls, 1, multiprocessing_context="spawn")
     resumed.load_state_dict(state)
     assert_same(head + list(resumed), reference)
+
+
+def test_resplit_refuses_what_it_cannot_pool(urls: list[str]) -> None:
+    states = []
+    for rank in range(2):
+        loader = make_loader(urls, 0, rank=rank, world_size=2)
+        it = iter(loader)
+        next(it)
+        states.append(loader.state_dict())
+        del it
+    skipping = make_loader(urls, 0, rank=1, world_size=2)
+    skipping.load_state_dict(states[1], skip=2)
+    with pytest.raises(CheckpointMismatchError, match="pending skip"):
+        resplit([states[0], skipping.state_dict()], make_loader(urls, 0, rank=0, world_size=1))
+    with pytest.raises(CheckpointMismatchError, match="in rank order"):
+        resplit(states[::-1], make_loader(urls, 0, rank=0, world_size=1))
+    other = make_loader(urls, 0, seed=5, rank=1, world_size=2)
+    it = iter(other)
+    next(it)
+    with pytest.raises(CheckpointMismatchError, match="different base seeds"):
+        resplit([states[0], other.state_dict()], make_loader(urls, 0, rank=0, world_size=1))
+    del it
+    with pytest.raises(TypeError, match="ShardStream"):
+        resplit(states, make_loader(urls, 0).__class__(list(range(4))))

@@ -42,6 +42,11 @@ def remaining_work(states: Sequence[Any], stream: ShardStream) -> tuple[Work, ..
     first = checkpoints[0]
     if first.epoch < 0 or first.ended:
         return None
+    if any(c.skip for c in checkpoints):
+        raise CheckpointMismatchError(
+            "a checkpoint holds a pending skip (load_state_dict(skip=...)), whose batches its "
+            "workers have not read yet: resume it on the old world size past the skip, then resplit"
+        )
     seeds = {c.base_seed for c in checkpoints}
     if len(seeds) != 1 or first.base_seed is None:
         raise CheckpointMismatchError(

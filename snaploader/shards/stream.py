@@ -30,14 +30,16 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import IO, Any, Final, Optional
+from typing import IO, Any, Final
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .._errors import CheckpointFormatError, CheckpointMismatchError
+from .._errors import CheckpointMismatchError
 from .files import Opener, default_open, open_shard
+from .state import read_state
 from .tar import samples
 
 __all__ = ["ShardIterator", "ShardStream", "Work"]
@@ -115,10 +117,10 @@ class ShardStream(IterableDataset[Any]):
         *,
         shuffle_shards: bool = True,
         shuffle_buffer: int = 0,
-        map: Optional[Callable[[dict[str, Any]], Any]] = None,
-        open: Optional[Opener] = None,
-        rank: Optional[int] = None,
-        world_size: Optional[int] = None,
+        map: Callable[[dict[str, Any]], Any] | None = None,
+        open: Opener | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         if isinstance(urls, (str, bytes, os.PathLike)):
             raise TypeError("ShardStream takes a list of shard paths or URLs, not one string")
@@ -156,8 +158,6 @@ class ShardStream(IterableDataset[Any]):
             return self.rank, self.world_size
         if self._world is not None:
             return self._world
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
@@ -182,8 +182,6 @@ class ShardStream(IterableDataset[Any]):
         """snaploader's load-time check of a worker's state (``_state/records.py``'s
         ``check_own_states``): a state taken over other shards, or on another world
         size, is refused at ``load_state_dict()``, before any worker starts."""
-        from .state import read_state
-
         if owner == "iterator":
             read_state(state, self, (*self.world(), 0, 1))
 
@@ -306,8 +304,6 @@ class ShardIterator:
         }
 
     def load_state_dict(self, state: Any) -> None:
-        from .state import read_state
-
         parsed = read_state(state, self.stream, self.split)
         self.close()
         self.seed, self.split = parsed.seed, parsed.split
