@@ -124,17 +124,24 @@ def test_another_worker_count_goes_on_bit_for_bit(urls: list[str]) -> None:
     assert sorted(ids(list(resumed))) == EVERY  # the next epoch is 3 workers' own
 
 
+def _rank_states(urls: list[str], world: int, num_workers: int, depth: int = 0) -> tuple[list[int], list[dict[str, Any]]]:
+    """Each rank of a ``world``-rank run cut after ``1 + depth * rank`` batches (ranks at
+    different depths of their shares): the ids they yielded, and their states."""
+    head: list[int] = []
+    states = []
+    for rank in range(world):
+        loader = make_loader(urls, num_workers, rank=rank, world_size=world)
+        it = iter(loader)
+        head += ids([next(it) for _ in range(1 + depth * rank)])
+        states.append(loader.state_dict())
+        del it
+    return head, states
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 @pytest.mark.parametrize(("old", "new", "workers"), [(2, 1, 2), (1, 2, 1), (2, 3, 3)])
 def test_another_world_size_loses_and_repeats_nothing(urls: list[str], old: int, new: int, workers: int) -> None:
-    head: list[int] = []
-    states = []
-    for rank in range(old):
-        loader = make_loader(urls, 2, rank=rank, world_size=old)
-        it = iter(loader)
-        head += ids([next(it) for _ in range(3 + rank)])  # ranks cut at different depths of their shares
-        states.append(loader.state_dict())
-        del it
+    head, states = _rank_states(urls, old, 2, depth=2)
     rest: list[int] = []
     for rank in range(new):
         rest += ids(list(resplit(states, make_loader(urls, workers, rank=rank, world_size=new))))
@@ -142,13 +149,7 @@ def test_another_world_size_loses_and_repeats_nothing(urls: list[str], old: int,
 
 
 def test_a_checkpoint_in_a_resplit_epoch_resumes_exactly(urls: list[str]) -> None:
-    states = []
-    for rank in range(2):
-        loader = make_loader(urls, 2, rank=rank, world_size=2)
-        it = iter(loader)
-        next(it)
-        states.append(loader.state_dict())
-        del it
+    _, states = _rank_states(urls, 2, 2)
     single = resplit(states, make_loader(urls, 2, rank=0, world_size=1))
     reference = [list(single), list(single)]
     assert sorted(ids(reference[1])) == EVERY  # after the rest of the old epoch, an ordinary one
@@ -347,14 +348,7 @@ def test_bad_arguments() -> None:
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_after_the_rest_of_a_resplit_epoch_the_epochs_are_ordinary(urls: list[str], persistent: bool) -> None:
-    head: list[int] = []
-    states = []
-    for rank in range(2):
-        loader = make_loader(urls, 2, rank=rank, world_size=2)
-        it = iter(loader)
-        head += ids([next(it)])
-        states.append(loader.state_dict())
-        del it
+    head, states = _rank_states(urls, 2, 2)
     workers = 2 if persistent else 0
     resplit_loader = resplit(states, make_loader(urls, workers, rank=0, world_size=1, persistent_workers=persistent))
     rest = ids(list(resplit_loader))
@@ -384,13 +378,7 @@ def test_spawned_workers_resume_exactly(urls: list[str]) -> None:
 
 
 def test_resplit_refuses_what_it_cannot_pool(urls: list[str]) -> None:
-    states = []
-    for rank in range(2):
-        loader = make_loader(urls, 0, rank=rank, world_size=2)
-        it = iter(loader)
-        next(it)
-        states.append(loader.state_dict())
-        del it
+    _, states = _rank_states(urls, 2, 0)
     skipping = make_loader(urls, 0, rank=1, world_size=2)
     skipping.load_state_dict(states[1], skip=2)
     with pytest.raises(CheckpointMismatchError, match="pending skip"):
