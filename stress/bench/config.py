@@ -74,6 +74,10 @@ class Config:
     seed_repeats: int = 5
     seed_batches: int = 2_000
     seed_states_calls: int = 100
+    # pin_memory=True beside the training step (issue 34, stress/bench/pinning.py):
+    # repeats of torch's and snaploader's trial, and the steps each times
+    pin_repeats: int = 5
+    pin_batches: int = 200
     seed: int = 0
 
     @staticmethod
@@ -129,4 +133,6 @@ class Config:
             seed_repeats=3,
             seed_batches=1_000,
             seed_states_calls=50,
+            pin_repeats=3,
+            pin_batches=60,
         )
