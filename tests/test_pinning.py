@@ -28,7 +28,10 @@ from stress._pin_standin import PinRecord, fake_pinning
 from ._datasets import Augmented, Sleepy
 from ._support import assert_same_stream, generator, take, through_bytes
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create"),
+    pytest.mark.filterwarnings("ignore:an exact resume of Counting replays"),
+]
 
 Pair = namedtuple("Pair", ["x", "i"])
 
@@ -154,8 +157,10 @@ def test_the_ledger_advances_when_a_batch_is_yielded_not_when_it_is_pinned(pinni
     plain_it, pinned_it = iter(plain), iter(pinned)
     for step in range(6):
         next(plain_it), next(pinned_it)
-        while pinning.count() < min(step + 3, 8):
+        deadline = time.monotonic() + 10.0
+        while pinning.count() < min(step + 3, 8) and time.monotonic() < deadline:
             time.sleep(0.005)  # let the pin thread run ahead of the yield
+        assert pinning.count() >= min(step + 3, 8), "nothing was pinned ahead"
         assert _states_without_digests(pinned.state_dict()) == _states_without_digests(plain.state_dict())
     del plain_it, pinned_it
 
@@ -337,3 +342,18 @@ def test_in_order_false_under_pinning(pinning: PinRecord) -> None:
     keyed = {b[0, 0].item(): b for b in whole}
     for batch in got:
         assert torch.equal(batch, keyed[batch[0, 0].item()])
+
+
+def test_a_failure_of_the_pin_thread_itself_is_raised_not_waited_on(pinning: PinRecord, monkeypatch: pytest.MonkeyPatch) -> None:
+    from snaploader._workers.pinning import PinningRunner
+
+    def broken(self: PinningRunner, wait_s: float | None, waiting: int | None) -> None:
+        raise OSError("the pipes broke")
+
+    monkeypatch.setattr(PinningRunner, "_pump", broken)
+    iterator = iter(loader(pin_memory=True))
+    with pytest.raises(RuntimeError, match="pin memory thread failed: OSError") as caught:
+        next(iterator)
+    assert isinstance(caught.value.__cause__, OSError)
+    del iterator, caught
+    _gone()

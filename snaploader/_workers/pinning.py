@@ -40,7 +40,7 @@ import threading
 from collections import deque
 from dataclasses import replace
 from multiprocessing.context import BaseContext
-from typing import Callable, Final
+from typing import Any, Callable, Final
 
 import torch
 from torch.utils.data._utils import pin_memory as torch_pin_memory
@@ -74,19 +74,11 @@ def pinned(result: Result, device: str | None) -> Result:
 class PinningRunner(ProcessRunner):
     """A :class:`ProcessRunner` whose answers a thread of its own receives and pins."""
 
-    def __init__(
-        self,
-        setup: WorkerSetup,
-        context: BaseContext,
-        *,
-        processes: int,
-        timeout_s: float,
-        max_retries: int,
-        device: str | None,
-    ) -> None:
+    def __init__(self, setup: WorkerSetup, context: BaseContext, *, device: str | None, **limits: Any) -> None:
+        """``limits``: :class:`ProcessRunner`'s own (processes, timeout_s, max_retries)."""
         # As torch: the thread pins for the device that is current when iteration starts.
         index = torch.accelerator.current_device_index()
-        super().__init__(setup, context, processes=processes, timeout_s=timeout_s, max_retries=max_retries)
+        super().__init__(setup, context, **limits)
         self.device = device
         self.changed = threading.Condition(self.lock)
         self.stop = threading.Event()
@@ -110,20 +102,16 @@ class PinningRunner(ProcessRunner):
             super().begin_epoch(progress)
 
     def next_result(self, slot: int) -> tuple[Task, Result]:
-        try:
-            return super().next_result(slot)
-        finally:
-            self._give_deferred()
+        self._give_deferred()  # before the answer is taken: a warning raised as an error loses none
+        return super().next_result(slot)
 
     def _receive(self, wait_s: float | None, slot: int, met: Callable[[], bool]) -> None:
         interval_s = _RECEIVE_INTERVAL_S if wait_s is None else min(wait_s, _RECEIVE_INTERVAL_S)
         state = self.slots[slot]
         with self.changed:
             self.waiting = slot
-            self.changed.wait_for(
-                lambda: met() or self._stopped() or self.ready(slot),
-                interval_s,
-            )
+            self.changed.wait_for(lambda: met() or self._stopped() or self.ready(slot), interval_s)
+            self.waiting = None
         self._give_deferred()
         self._check_running()
 
@@ -170,10 +158,10 @@ class PinningRunner(ProcessRunner):
     # -- the pin thread -------------------------------------------------------------
 
     def _run(self, device_index: int) -> None:
-        # As torch's pin thread: one intra-op thread, so a copy cannot take every core.
-        torch.set_num_threads(1)
-        torch.accelerator.set_device_index(device_index)
         try:
+            # As torch's pin thread: one intra-op thread, so a copy cannot take every core.
+            torch.set_num_threads(1)
+            torch.accelerator.set_device_index(device_index)
             while not self.stop.is_set():
                 job = self._oldest_unpinned()
                 self._pump(0.0 if job is not None else _RECEIVE_INTERVAL_S, self.waiting)
