@@ -269,6 +269,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             + " |",
         ]
     lines += _state_dict_markdown(report) + _loop_markdown(report) + _seed_markdown(report)
+    pinning = report.get("pinning")
+    if pinning:
+        rates = pinning["throughput_bps"]
+        lines += [
+            "",
+            f"| `pin_memory=True`, stand-in pin {pinning['pin_ms']:g} ms, step {pinning['step_ms']:g} ms, "
+            f"W={pinning['workers']} | torch batches/s | snaploader batches/s | snaploader × torch (per repeat) |",
+            "| --- | --- | --- | --- |",
+            f"| {pinning['batches']} steps, median of {pinning['repeats']} | {_fmt(rates['torch'])} | "
+            f"{_fmt(rates['snaploader'])} | {pinning['ratio_to_torch']:.2f}× "
+            f"({', '.join(f'{r:.2f}' for r in pinning['ratios'])}) |",
+        ]
     restore = report.get("restore")
     if restore:
         pos = restore["positions"]
