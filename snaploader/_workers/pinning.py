@@ -107,7 +107,6 @@ class PinningRunner(ProcessRunner):
 
     def _receive(self, wait_s: float | None, slot: int, met: Callable[[], bool]) -> None:
         interval_s = _RECEIVE_INTERVAL_S if wait_s is None else min(wait_s, _RECEIVE_INTERVAL_S)
-        state = self.slots[slot]
         with self.changed:
             self.waiting = slot
             self.changed.wait_for(lambda: met() or self._stopped() or self.ready(slot), interval_s)
