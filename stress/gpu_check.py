@@ -65,15 +65,16 @@ class Sizes:
     image_workers: tuple[int, ...]
     image_steps: int  # timed steps a trial, after the first batch
     compute_workers: tuple[int, ...]
-    compute_trial_s: float
+    compute_trial_s: float  # a trial stops after this long, or at its epoch's end
+    compute_batches: int  # the epoch of the compute rows, in batches of 32
     repeats: int
     state_dict_steps: int
     check_batch: int  # batch size of the correctness rows
     check_batches: int  # their epoch, in batches
 
 
-FULL = Sizes(256, 224, (4, 8, 14), 40, (1, 2, 4, 8, 14), 3.0, 2, 200, 16, 24)
-QUICK = Sizes(16, 224, (2,), 12, (1, 2), 0.5, 2, 40, 4, 12)
+FULL = Sizes(256, 224, (4, 8, 14), 60, (1, 2, 4, 8, 14), 3.0, 5000, 2, 200, 16, 24)
+QUICK = Sizes(16, 224, (2,), 12, (1, 2), 0.5, 300, 2, 40, 4, 12)
 
 
 class ImageItems(Dataset[tuple[torch.Tensor, int]]):
@@ -281,7 +282,7 @@ def throughput_rows(sizes: Sizes, contenders: list[Contender]) -> list[Row]:
                             "met" if ratio >= 1.0 else "MISSED"))
     rounds, _ = calibrate_compute_rounds()
     for workers in sizes.compute_workers:
-        dataset = make_dataset("compute", 32 * 500, rounds)
+        dataset = make_dataset("compute", 32 * sizes.compute_batches, rounds)
 
         def measure_compute(contender: Contender, repeat: int) -> float:
             trial = run_trial(contender, dataset, 32, workers, 200 + repeat, sizes.compute_trial_s)
