@@ -5,8 +5,8 @@
                  on restore), workers started or positioned (Resume per slot)
   IndexPlan ──indices──► dispatch ──Task──► slot k mod W (map-style)
                                   ──Task──► every slot not yet done (iterable)
-  __next__: takes the next result in the fixed order from the Runner, records its
-            snapshot in the ledger (EpochProgress), tops up the dispatch, returns it.
+  __next__: takes the next result in the fixed order from the Runner (pinned by its thread
+            with pin_memory), records its snapshot in the ledger, tops up the dispatch, returns it.
 ```
 
 - Order is decided by data, never timing: map-style batch k comes from slot k mod W;

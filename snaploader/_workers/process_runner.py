@@ -17,6 +17,9 @@ answers its tasks in the order they were sent, whatever logical worker they are 
 so ``order[process]`` (the logical worker of each unanswered task, oldest first) says
 whose answer comes next.
 
+- With ``pin_memory=True`` a subclass receives in a thread of its own and pins
+  (``_workers/pinning.py``): ``_receive`` and ``_later`` are its hooks; here the
+  receiving runs on the caller's thread.
 - ``timeout > 0`` bounds each wait for a batch, as in torch. Otherwise the wait is on
   pipes and sentinels together, so it wakes on either a result or a death, never by
   polling.

@@ -6,7 +6,9 @@ Two implementations share this interface, so the iterator has no special case fo
 ``num_workers=0``: :class:`~snaploader._workers.process_runner.ProcessRunner` (worker
 processes, ``_workers/process_runner.py``) and
 :class:`~snaploader._workers.inline_runner.InlineRunner` (the slots run in the main
-process, ``_workers/inline_runner.py``).
+process, ``_workers/inline_runner.py``); with ``pin_memory=True`` the worker processes'
+runner is :class:`~snaploader._workers.pinning.PinningRunner`, which receives and pins
+in a thread (``_workers/pinning.py``).
 
 Per slot, this epoch: ``outstanding`` tasks were sent and not answered; ``received``
 answers wait to be yielded. Answers are accepted strictly in the order the tasks were
