@@ -346,6 +346,18 @@ def test_in_order_false_under_pinning(pinning: PinRecord) -> None:
     keyed = {b[0, 0].item(): b for b in whole}
     for batch in got:
         assert torch.equal(batch, keyed[batch[0, 0].item()])
+    # a checkpoint taken with batches pinned ahead resumes the batches not yet yielded
+    source = loader(Augmented(40), pin_memory=True, in_order=False)
+    iterator = iter(source)
+    first = take(iterator, 4)
+    state = through_bytes(source.state_dict())
+    del iterator
+    resumed = loader(Augmented(40), pin_memory=True, in_order=False)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert sorted(b[0, 0].item() for b in first + rest) == sorted(keyed)
+    for batch in first + rest:
+        assert torch.equal(batch, keyed[batch[0, 0].item()])
 
 
 def test_a_failure_of_the_pin_thread_itself_is_raised_not_waited_on(pinning: PinRecord, monkeypatch: pytest.MonkeyPatch) -> None:
