@@ -9,7 +9,9 @@ uninterrupted one.
 
 Each *run* builds a loader with a randomly drawn configuration: dataset kind (map-style,
 iterable without a state protocol, iterable with one), persistent workers on or off,
-start method fork or spawn, 2 or 3 workers. It iterates a few epochs while a killer
+start method fork or spawn, 2 or 3 workers, ``pin_memory`` on or off (on: through the
+stand-in of ``stress/_pin_standin.py``, so the pin thread receives, pins and meets the
+deaths). It iterates a few epochs while a killer
 thread sends SIGKILL or SIGSEGV to a random live worker of that loader at random
 moments. Every epoch's batches (sample ids and a digest of every tensor byte) are
 compared with an uninterrupted reference run of the same configuration, computed first
@@ -44,6 +46,7 @@ Workers' stderr (torch prints a line per SIGSEGV) goes to a log file named at th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import functools
 import multiprocessing.resource_tracker
@@ -68,6 +71,7 @@ import torch  # noqa: E402
 
 from snaploader import DataLoader, WorkerCrashedError, WorkerRespawnedWarning
 from stress._datasets import KINDS, LeakCheck, fingerprint, make_dataset, quiet_worker  # noqa: E402
+from stress._pin_standin import fake_pinning  # noqa: E402
 from stress._probes import percentile  # noqa: E402
 
 # torch's advice when num_workers exceeds the CPU count: 3 workers on 2 cores is the point.
@@ -86,9 +90,10 @@ class Config:
     persistent: bool
     context: str
     workers: int
+    pin: bool = False  # pin_memory=True through the stand-in (stress/_pin_standin.py)
 
     def __str__(self) -> str:
-        return f"{self.kind:13} persistent={int(self.persistent)} {self.context:5} W={self.workers}"
+        return f"{self.kind:13} persistent={int(self.persistent)} {self.context:5} W={self.workers} pin={int(self.pin)}"
 
 
 class Killer(threading.Thread):
@@ -154,6 +159,7 @@ def make_loader(cfg: Config, n: int, delay_s: float, log_path: str, storm: bool 
         multiprocessing_context=cfg.context,
         generator=torch.Generator().manual_seed(1234),
         persistent_workers=cfg.persistent,
+        pin_memory=cfg.pin,
         timeout=_BATCH_TIMEOUT_S,
         replay="allow",
         # Outside storms the killer may strike one batch's fetch again and again: it is
@@ -249,6 +255,7 @@ def main() -> int:
                 persistent=rng.random() < 0.5,
                 context="spawn" if spawn else "fork",
                 workers=2 if args.quick else rng.choice((2, 3)),
+                pin=rng.random() < 0.5,  # the pinned stream against the unpinned reference
             )
             if args.only:
                 kind, persistent, context, workers = args.only.split(",")
@@ -281,7 +288,8 @@ def main() -> int:
                 warnings.simplefilter("always")
                 try:
                     make = functools.partial(make_loader, cfg, args.samples, args.delay_ms / 1000, log_path, storm)
-                    got, run_give_ups = run_epochs(make, _EPOCHS, killer, times, _STORM_GIVE_UPS if storm else 0)
+                    with fake_pinning() if cfg.pin else contextlib.nullcontext():
+                        got, run_give_ups = run_epochs(make, _EPOCHS, killer, times, _STORM_GIVE_UPS if storm else 0)
                     give_ups += run_give_ups
                     for epoch, (a, b) in enumerate(zip(got, references[key])):
                         if a != b:

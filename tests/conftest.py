@@ -1,11 +1,12 @@
-"""Shared fixtures. Every test fails if it leaves a child process, a file descriptor or
-a /dev/shm entry behind (see ``no_leaks``)."""
+"""Shared fixtures. Every test fails if it leaves a child process, a file descriptor,
+a /dev/shm entry or a pin memory thread behind (see ``no_leaks``)."""
 
 from __future__ import annotations
 
 import gc
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ import psutil
 import pytest
 import torch
 
+from snaploader._workers.pinning import THREAD_NAME as PIN_THREAD
 from snaploader._workers.pool import shm_creator
 
 _SETTLE_S = 10.0
@@ -46,6 +48,10 @@ def _someone_elses(name: str) -> bool:
         return False
 
 
+def _pin_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name == PIN_THREAD}
+
+
 def _shm() -> set[str]:
     try:
         names = set(os.listdir("/dev/shm"))
@@ -65,8 +71,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail the test if it leaves worker processes, fds or /dev/shm entries behind."""
-    children, fds, shm = _children(), _fds(), _shm()
+    """Fail the test if it leaves worker processes, fds, /dev/shm entries or pin memory
+    threads behind."""
+    children, fds, shm, threads = _children(), _fds(), _shm(), _pin_threads()
     yield
     deadline = time.monotonic() + _SETTLE_S
     first = True
@@ -74,7 +81,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         extra_children = _children() - children
         extra_fds = _fds() - fds
         extra_shm = _shm() - shm
-        if not (extra_children or extra_fds or extra_shm) or time.monotonic() > deadline:
+        extra_threads = _pin_threads() - threads
+        if not (extra_children or extra_fds or extra_shm or extra_threads) or time.monotonic() > deadline:
             break
         # Something is left: it may be garbage in a reference cycle (a loader and its
         # persistent iterator), which only a collection frees, or a worker still exiting.
@@ -97,6 +105,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         problems.append(f"file descriptors left open: {targets}")
     if extra_shm:
         problems.append(f"/dev/shm entries left: {sorted(extra_shm)}")
+    if extra_threads:
+        problems.append(f"pin memory threads left running: {len(extra_threads)}")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
 

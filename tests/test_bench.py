@@ -48,6 +48,8 @@ def tiny_config() -> Config:
         shards=(3, 8, 4, 4, 1),
         shards_read_ms=0.5,
         shards_repeats=1,
+        pin_repeats=2,
+        pin_batches=4,
     )
 
 
@@ -60,7 +62,8 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     report = run(config, tmp_path, log=lambda line: None)
 
     saved = json.loads((tmp_path / "results.json").read_text())
-    for key in ("meta", "config", "contenders", "workloads", "state_dict", "seed_per_sample", "restore", "shards", "targets",
+    for key in ("meta", "config", "contenders", "workloads", "state_dict", "seed_per_sample", "pinning", "restore", "shards",
+                "targets",
                 "timing_s"):
         assert key in saved, key
     measured = [c for c, v in saved["contenders"].items() if v["skipped"] is None]
@@ -158,7 +161,15 @@ def test_run_writes_every_output(tmp_path: Path) -> None:
     assert "W=1: workers' CPU" in seed_target["note"]  # issue 26's target, the workers' figure beside it
     assert all(isinstance(t["met"], bool) for t in saved["targets"])
 
+    pinning = saved["pinning"]  # issue 34: both loaders through the stand-in pin
+    assert pinning["workers"] == 2 and len(pinning["ratios"]) == config.pin_repeats
+    assert _positive(pinning["ratio_to_torch"]) and set(pinning["throughput_bps"]) == {"torch", "snaploader"}
+    pin_target = next(t for t in saved["targets"] if t["name"].startswith("pin_memory=True throughput vs torch"))
+    assert (pin_target["measured"], pin_target["limit"]) == (pinning["ratio_to_torch"], 0.95)
+
     markdown = (tmp_path / "results.md").read_text()
+    assert "| `pin_memory=True`, stand-in pin 4 ms, step 4 ms, W=2 |" in markdown
+    assert "pin_memory=True, stand-in pin 4 ms a batch" in render_text(report)
     assert markdown == render_markdown(report)
     assert f"took {report['timing_s']['total'] / 60:.1f} min" in markdown.splitlines()[0]
     rows = [line for line in markdown.splitlines() if line.startswith("| ")]

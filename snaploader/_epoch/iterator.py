@@ -5,8 +5,8 @@
                  on restore), workers started or positioned (Resume per slot)
   IndexPlan ──indices──► dispatch ──Task──► slot k mod W (map-style)
                                   ──Task──► every slot not yet done (iterable)
-  __next__: takes the next result in the fixed order from the Runner, records its
-            snapshot in the ledger (EpochProgress), tops up the dispatch, returns it.
+  __next__: takes the next result in the fixed order from the Runner (pinned by its thread
+            with pin_memory), records its snapshot in the ledger, tops up the dispatch, returns it.
 ```
 
 - Order is decided by data, never timing: map-style batch k comes from slot k mod W;
@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import warnings
 import weakref
 from typing import Any, Final
@@ -45,6 +46,7 @@ from .plan import IndexPlan, epoch_aware_part
 from .._state.replay import announce_replay
 from .._workers.datapipe import SharedSeeds, world
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
+from .._workers.pinning import PinningRunner
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
 from .._rng.per_sample import epoch_seed
@@ -214,7 +216,9 @@ class SnapIterator:
             inline = InlineRunner(setup)
             inline.census = settings.rng_census
             return inline
-        runner = ProcessRunner(
+        # pin_memory=True: a thread receives and pins ahead, as torch's does (_workers/pinning.py).
+        make = partial(PinningRunner, device=settings.pin_device) if settings.pin_memory else ProcessRunner
+        runner = make(
             setup,
             settings.context,
             processes=settings.num_workers,
@@ -293,7 +297,7 @@ class SnapIterator:
         if self.settings.iterable:
             self._check_reported_length()
         data = result.payload
-        if self.settings.pin_memory:
+        if self.settings.pin_memory and self.settings.num_workers == 0:  # as torch's, in this thread
             data = torch_pin_memory.pin_memory(data, self.settings.pin_device)
         return data
 
@@ -411,8 +415,6 @@ class SnapIterator:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 

@@ -275,7 +275,8 @@ class EpochProgress:
             self.plan.forget_before(due - self.plan_skip)
         received = self.received_digests[slot]
         if received:
-            for produced in [p for p in received if p <= snapshot.produced]:
+            # A copy of the keys: a pin thread may note a digest meanwhile (_workers/pinning.py).
+            for produced in [p for p in tuple(received) if p <= snapshot.produced]:
                 del received[produced]
 
     def end(self) -> None:

@@ -17,6 +17,9 @@ answers its tasks in the order they were sent, whatever logical worker they are 
 so ``order[process]`` (the logical worker of each unanswered task, oldest first) says
 whose answer comes next.
 
+- With ``pin_memory=True`` a subclass receives in a thread of its own and pins
+  (``_workers/pinning.py``): ``_receive`` and ``_later`` are its hooks; here the
+  receiving runs on the caller's thread.
 - ``timeout > 0`` bounds each wait for a batch, as in torch. Otherwise the wait is on
   pipes and sentinels together, so it wakes on either a result or a death, never by
   polling.
@@ -36,6 +39,7 @@ whose answer comes next.
 from __future__ import annotations
 
 import pickle
+from functools import partial
 import threading
 from collections import deque
 import time
@@ -167,13 +171,15 @@ class ProcessRunner(Runner):
 
     def next_result(self, slot: int) -> tuple[Task, Result]:
         state = self.slots[slot]
-        self._wait_until(lambda: bool(state.received), slot)
-        task, result, fds = state.pop()
-        self.held_fds -= fds
+        self._wait_until(lambda: self.takes(state), slot)
+        with self.lock:
+            task, result, fds = state.pop()
+            self.held_fds -= fds
         return task, result
 
     def wait_any(self, first: int) -> None:
-        if not any(self.ready(slot) or self.slots[slot].outstanding for slot in range(self.count)):
+        owed = (self.ready(s) or self.slots[s].outstanding or self.slots[s].received for s in range(self.count))
+        if not any(owed):
             raise RuntimeError("the loader waits for a batch no worker owes (please report this)")
         self._wait_until(lambda: any(self.ready(slot) for slot in range(self.count)), first, anyone=True)
 
@@ -183,10 +189,10 @@ class ProcessRunner(Runner):
         state = self.slots[slot]
         deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
         while not met():
-            if state.failed is not None and not state.outstanding:
+            if state.failed is not None and not state.outstanding and not state.received:
                 raise state.failed
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._pump(wait_s, slot)
+            self._receive(wait_s, slot, met)
             if not met() and deadline is not None and time.monotonic() >= deadline:
                 waited = self.pool.workers[slot % self.processes]
                 pid = waited.pid if waited is not None else "?"
@@ -198,6 +204,10 @@ class ProcessRunner(Runner):
                     f"DataLoader timed out after {self.timeout_s:g} seconds waiting for "
                     f"{what}; raise timeout= or make the dataset faster"
                 )
+
+    def _receive(self, wait_s: float | None, slot: int, met: Callable[[], bool]) -> None:
+        """Receive for up to ``wait_s``, or until ``met()``, while waiting for ``slot``."""
+        self._pump(wait_s, slot)
 
     def poll(self) -> None:
         self._pump(0.0, None)
@@ -393,8 +403,9 @@ class ProcessRunner(Runner):
             for slot, pending in self._unanswered(process):
                 self._deliver(slot, pending)
             if said:
-                warnings.warn(
-                    f"{said}; respawned as pid {new.pid} from its snapshot, {retry}",
-                    WorkerRespawnedWarning,
-                    stacklevel=user_stacklevel(),
-                )
+                message = f"{said}; respawned as pid {new.pid} from its snapshot, {retry}"
+                self._later(partial(_warn_respawned, message))
+
+
+def _warn_respawned(message: str) -> None:
+    warnings.warn(message, WorkerRespawnedWarning, stacklevel=user_stacklevel())

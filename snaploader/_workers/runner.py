@@ -6,7 +6,9 @@ Two implementations share this interface, so the iterator has no special case fo
 ``num_workers=0``: :class:`~snaploader._workers.process_runner.ProcessRunner` (worker
 processes, ``_workers/process_runner.py``) and
 :class:`~snaploader._workers.inline_runner.InlineRunner` (the slots run in the main
-process, ``_workers/inline_runner.py``).
+process, ``_workers/inline_runner.py``); with ``pin_memory=True`` the worker processes'
+runner is :class:`~snaploader._workers.pinning.PinningRunner`, which receives and pins
+in a thread (``_workers/pinning.py``).
 
 Per slot, this epoch: ``outstanding`` tasks were sent and not answered; ``received``
 answers wait to be yielded. Answers are accepted strictly in the order the tasks were
@@ -20,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .._errors import WorkerCrashedError
 from .._state.ledger import EpochProgress
@@ -45,10 +48,13 @@ class Slot:
     failed: WorkerCrashedError | None = None  # raised when its next batch is due
     # Per received answer: the fds its tensors hold in this process (NOTE [ fd budget ]).
     held_fds: deque[int] = field(default_factory=deque)
+    # How many of the oldest received answers are pinned (only a pinning runner pins).
+    pinned: int = 0
 
     def pop(self) -> tuple[Task, Result, int]:
         """The oldest received answer, its task, and the fds it holds."""
         task, result = self.received.popleft()
+        self.pinned = max(0, self.pinned - 1)
         return task, result, self.held_fds.popleft()
 
 
@@ -98,11 +104,16 @@ class Runner(ABC):
             return
         state.received.append((task, result))
         state.held_fds.append(fds)
-        report = result.snapshot.report
-        if report is not None and self.census is not None:
-            self.census.note(slot, report)
+        report, census = result.snapshot.report, self.census
+        if report is not None and census is not None:
+            self._later(lambda: census.note(slot, report))
         if result.digest is not None and self.progress is not None:
             self.progress.note_digest(slot, result.snapshot.produced, result.digest)
+
+    def _later(self, call: Callable[[], None]) -> None:
+        """Run ``call``, which may warn, on the thread that drives this runner (a
+        runner that receives in a thread of its own queues it until then)."""
+        call()
 
     @abstractmethod
     def _transmit(self, slot: int, msg: Resume | Task) -> None:
@@ -114,9 +125,13 @@ class Runner(ABC):
 
     def ready(self, slot: int) -> bool:
         """True when :meth:`next_result` of ``slot`` returns (or raises) at once: an
-        answer was received, or its failed batch is due."""
+        answer can be taken, or its failed batch is due."""
         state = self.slots[slot]
-        return bool(state.received) or (state.failed is not None and not state.outstanding)
+        return self.takes(state) or (state.failed is not None and not state.outstanding and not state.received)
+
+    def takes(self, state: Slot) -> bool:
+        """True when ``state``'s oldest answer can be taken (a pinning runner: and is pinned)."""
+        return bool(state.received)
 
     @abstractmethod
     def wait_any(self, first: int) -> None:

@@ -28,6 +28,7 @@ from .config import Config
 from .contenders import available, find_contenders
 from .plot import plot_throughput
 from .report import render_markdown, render_text
+from .pinning import PIN_WORKERS, measure_pinning
 from .restore import measure_restore
 from .seed_per_sample import measure_seed_per_sample
 from .shards import measure_shards
@@ -148,6 +149,11 @@ def _run(config: Config, out_dir: Path, log: Callable[[str], None]) -> dict[str,
         config.seed_states_calls, config.seed, log,
     )
     report["timing_s"]["seed_per_sample"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    log(f"pin_memory=True with the stand-in pin beside a training step, W={PIN_WORKERS}, {config.pin_repeats} repeats")
+    report["pinning"] = measure_pinning(active, config.pin_repeats, config.pin_batches, config.seed, log)
+    report["timing_s"]["pinning"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     log("restore: load_state_dict() to first batch")

@@ -80,6 +80,10 @@ class Config:
     shards_read_ms: float = 5.0
     shards_fraction: float = 0.9
     shards_repeats: int = 5
+    # pin_memory=True beside the training step (issue 34, stress/bench/pinning.py):
+    # repeats of torch's and snaploader's trial, and the steps each times
+    pin_repeats: int = 5
+    pin_batches: int = 200
     seed: int = 0
 
     @staticmethod
@@ -136,4 +140,6 @@ class Config:
             seed_batches=1_000,
             seed_states_calls=50,
             shards_repeats=3,
+            pin_repeats=3,
+            pin_batches=60,
         )

@@ -164,6 +164,22 @@ def _seed_text(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _pinning_text(report: dict[str, Any]) -> list[str]:
+    """The report's lines for this measure (none when it did not run)."""
+    measured = report.get("pinning")
+    if not measured:
+        return []
+    rates = measured["throughput_bps"]
+    return [
+        "",
+        f"pin_memory=True, stand-in pin {measured['pin_ms']:g} ms a batch, training step "
+        f"{measured['step_ms']:g} ms, W={measured['workers']}, median of {measured['repeats']} repeats",
+        f"  torch {rates['torch']:.1f} b/s  snaploader {rates['snaploader']:.1f} b/s"
+        f"  x torch {measured['ratio_to_torch']:.3f}"
+        f"  (per repeat {', '.join(f'{r:.3f}' for r in measured['ratios'])})",
+    ]
+
+
 def _state_dict_text(report: dict[str, Any]) -> list[str]:
     if not report.get("state_dict"):
         return []
@@ -254,6 +270,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             + " |",
         ]
     lines += _state_dict_markdown(report) + _loop_markdown(report) + _seed_markdown(report)
+    pinning = report.get("pinning")
+    if pinning:
+        rates = pinning["throughput_bps"]
+        lines += [
+            "",
+            f"| `pin_memory=True`, stand-in pin {pinning['pin_ms']:g} ms, step {pinning['step_ms']:g} ms, "
+            f"W={pinning['workers']} | torch batches/s | snaploader batches/s | snaploader × torch (per repeat) |",
+            "| --- | --- | --- | --- |",
+            f"| {pinning['batches']} steps, median of {pinning['repeats']} | {_fmt(rates['torch'])} | "
+            f"{_fmt(rates['snaploader'])} | {pinning['ratio_to_torch']:.2f}× "
+            f"({', '.join(f'{r:.2f}' for r in pinning['ratios'])}) |",
+        ]
     restore = report.get("restore")
     if restore:
         pos = restore["positions"]
@@ -335,7 +363,7 @@ def render_text(report: dict[str, Any]) -> str:
                 for w in entry["by_workers"]
             ]
             out.append(f"  {name:8s} {c:11s} " + "  ".join(cells))
-    out += _state_dict_text(report) + _loop_text(report) + _seed_text(report)
+    out += _state_dict_text(report) + _loop_text(report) + _seed_text(report) + _pinning_text(report)
     restore = report.get("restore")
     if restore:
         out.append("")

@@ -69,6 +69,12 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
 
     targets += checkpoint_targets(report)
     targets += seed_per_sample_targets(report)
+    pinning = report.get("pinning")
+    if pinning:
+        targets.append(Target(
+            f"pin_memory=True throughput vs torch (stand-in pin, W={pinning['workers']})",
+            pinning["ratio_to_torch"], ">=", 0.95, "x", "issue 34",
+        ))
 
     restore = report.get("restore", {}).get("loaders", {})
     if "snaploader" in restore:
