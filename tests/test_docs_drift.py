@@ -258,7 +258,7 @@ _NOTE_WHERE = re.compile(r"NOTE \[ ([^\]]+?) \]`?\s+in\s+`*((?:snaploader/)?[\w/
 
 def _citing() -> list[Path]:
     """The pages, examples and package modules whose citations are checked."""
-    return [*DOCS, *EXAMPLES, *SOURCES]
+    return [*DOCS, ROOT / "CHANGELOG.md", *EXAMPLES, *SOURCES]
 
 
 def _line(text: str, offset: int) -> int:
