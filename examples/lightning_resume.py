@@ -74,8 +74,8 @@ class Tiny(pl.LightningModule):
 
 
 def train(folder: Path, phase: str, kill_at: int | None) -> None:
-    loader = snaploader.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2,
-                                   generator=torch.Generator().manual_seed(5))
+    loader: snaploader.DataLoader[torch.Tensor] = snaploader.DataLoader(
+        Augmented(), batch_size=4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(5))
     trainer = pl.Trainer(
         max_epochs=EPOCHS, accelerator="cpu", logger=False, enable_progress_bar=False,
         enable_model_summary=False,

@@ -81,12 +81,13 @@ def train(out: Path, kill_step: int) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sampler = DistributedSampler(Augmented(), shuffle=True, seed=7)
-    loader = snaploader.DataLoader(Augmented(), batch_size=4, sampler=sampler, num_workers=2,
-                                   generator=torch.Generator().manual_seed(1))
+    sampler: DistributedSampler[torch.Tensor] = DistributedSampler(Augmented(), shuffle=True, seed=7)
+    loader: snaploader.DataLoader[torch.Tensor] = snaploader.DataLoader(
+        Augmented(), batch_size=4, sampler=sampler, num_workers=2, generator=torch.Generator().manual_seed(1))
 
     checkpoint = out / f"ckpt_rank{rank}.pt"
-    epoch, step, received = 0, 0, []
+    epoch, step = 0, 0
+    received: list[torch.Tensor] = []  # the example's own record of the batches, to compare runs
     if checkpoint.exists():  # a restart: this rank's own state
         state = torch.load(checkpoint, weights_only=True)
         model.module.load_state_dict(state["model"])
@@ -106,7 +107,10 @@ def train(out: Path, kill_step: int) -> None:
                 save(checkpoint, {"epoch": epoch, "step": step, "loader": loader.state_dict(),
                                   "model": model.module.state_dict(),
                                   "optimizer": optimizer.state_dict(), "received": received})
-                dist.barrier()  # every rank has saved this step
+                # Every rank has saved this step before any goes on; a rank that dies
+                # between two ranks' saves leaves files of two steps, which a real run
+                # should tell apart (compare the ranks' "step" after loading).
+                dist.barrier()
                 if step == kill_step and rank == 1 and attempt == 0:
                     os.kill(os.getpid(), signal.SIGKILL)  # as a preempted node would
         epoch += 1
