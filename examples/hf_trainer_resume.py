@@ -3,7 +3,7 @@ two lines: the import of ``SnapTrainer`` and ``Trainer(`` -> ``SnapTrainer(``
 (docs/transformers.md). ``train(resume_from_checkpoint=True)`` then goes on with the
 batch after the checkpoint's, with the augmentations the uninterrupted run drew.
 
-Run it where transformers is installed (``pip install "snaploader[integrations]"``)::
+Run it where transformers is installed (``pip install -e '.[integrations]'`` from the repository root)::
 
     python examples/hf_trainer_resume.py
 

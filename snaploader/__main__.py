@@ -1,4 +1,5 @@
-"""``python -m snaploader verify|inspect|demo`` (and the ``snaploader`` command).
+"""``python -m snaploader verify|inspect|demo`` (and the ``snaploader`` command), and
+``--version``.
 
 - ``verify MODULE:FACTORY``: does your pipeline resume exactly? (``_tools/verify.py``)
 - ``inspect CKPT``: what a checkpoint holds about a loader (``_tools/inspect.py``)
@@ -10,6 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from types import ModuleType
+
+from . import __version__
+
+
+def _description(module: ModuleType) -> str | None:
+    """A module docstring's first paragraph as a command's description, without the
+    reStructuredText double backquotes, which a terminal would show literally."""
+    return module.__doc__.split("\n\n")[0].replace("``", "") if module.__doc__ else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -17,16 +27,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="snaploader",
         description="Tools for snaploader, the DataLoader whose checkpoints resume exactly.",
     )
+    parser.add_argument("--version", action="version", version=f"snaploader {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{verify,inspect,demo}")
     from ._tools import inspect as _inspect, verify as _verify
 
     _verify.add_arguments(commands.add_parser(
         "verify", help="check that a pipeline resumes exactly, in fresh processes",
-        description=_verify.__doc__.split("\n\n")[0] if _verify.__doc__ else None,
+        description=_description(_verify),
     ))
     _inspect.add_arguments(commands.add_parser(
         "inspect", help="show the loader state in a checkpoint file",
-        description=_inspect.__doc__.split("\n\n")[0] if _inspect.__doc__ else None,
+        description=_description(_inspect),
     ))
     commands.add_parser("demo", help="kill a training process and a worker, resume, compare (about a minute)")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 - The fixed order (``in_order=True``, and always at ``num_workers=0``): map-style batch
   k comes from slot k mod W, so the next batch is the first one not yet yielded
-  (``_ledger.first_due``); an iterable's batches come round-robin from the slots not
+  (``_state/ledger.py``'s ``first_due``); an iterable's batches come round-robin from the slots not
   yet exhausted, from ``turn`` on.
 - ``in_order=False`` with worker processes: the next batch is the next one of
   whichever slot has one received; when several have, the one the fixed order ranks

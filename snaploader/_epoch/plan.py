@@ -6,7 +6,7 @@ Restoring to batch k skips k batches of *indices* (for torch's ``BatchSampler`` 
 skipping k * batch_size sampler items at C speed; for torch's ``RandomSampler`` by
 slicing its permutation, see ``NOTE [ skipping a RandomSampler ]``), or loads the
 sampler's own ``state_dict()`` saved before batch k when the sampler implements the
-protocol. Where the sampler's randomness comes from is ``_rng.RngSource``'s business.
+protocol. Where the sampler's randomness comes from is ``_rng/capture.py``'s ``RngSource``'s business.
 """
 
 from __future__ import annotations

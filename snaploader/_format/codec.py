@@ -64,7 +64,7 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    yielded_complete is "same as yielded" when it is; epoch_start is
                    None unless resuming needs it (nothing yielded yet, or a replay)
 
-User data (``data``, ``sampler_state.state``) is stored through ``_plain.encode``.
+User data (``data``, ``sampler_state.state``) is stored through ``_format/plain.py``'s ``encode``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the restore, not an edit of the file; the loader's next checkpoint records it.
 - The skip applies to the epoch the next ``iter()`` yields: the checkpoint's, or for a
   checkpoint taken after an epoch ended, the next one, from its batch 0.
 - Map-style: the index plan skips the batches' indices and every worker keeps its
-  snapshot (``_ledger.skip_map_batches``): no skipped sample is read, and none of the
+  snapshot (``_state/ledger.py``'s ``skip_map_batches``): no skipped sample is read, and none of the
   skipped batches' RNG draws is made. Iterable: each worker's iterator reads its own
   skipped batches and the loader discards them (``SnapIterator._skip_batches``), so
   the rest of the stream is the uninterrupted run's.

@@ -90,6 +90,14 @@ def remove_shm_left_by(pid: int) -> None:
                 pass
 
 
+# One line per worker, so that W workers' reasons and the main process's error fit a screen.
+NO_MAIN_GUARD: Final = (
+    'snaploader: the script has no if __name__ == "__main__": guard; under spawn or '
+    "forkserver each worker imports it again and reached code that starts DataLoader "
+    "workers: put the code that builds and iterates the loader under the guard"
+)
+
+
 class FetchMarks:
     """One int64 per worker process (by its index in the pool), shared with the workers:
     the key of the task that process is fetching (>= 0), or the phase it is in:
@@ -290,6 +298,12 @@ class Pool:
 
     def start(self, index: int) -> WorkerProcess:
         """Start worker process ``index`` (its place must be empty)."""
+        if not self._fork and getattr(multiprocessing.process.current_process(), "_inheriting", False):
+            # This process is a spawn worker still importing the main module, which
+            # builds and iterates a loader: multiprocessing would raise here, and every
+            # worker print a 70-line traceback before the main process says why.
+            # Exit with the reason alone (SystemExit prints its text, no traceback).
+            raise SystemExit(NO_MAIN_GUARD)
         if self.workers[index] is not None:
             raise RuntimeError(f"worker process {index} is still there; discard it first")
         task_recv, task_send = self.context.Pipe(duplex=False)

@@ -59,7 +59,8 @@ class DcpState:
         # A ReshardedLoader saves here too; it is resumed by reshard(dcp_states(path), ...).
         if not isinstance(loader, (DataLoader, ReshardedLoader)):
             raise TypeError(
-                f"snaploader.dcp_state() takes a snaploader.DataLoader, got "
+                f"snaploader.dcp_state() takes a snaploader.DataLoader or a "
+                f"snaploader.distributed.ReshardedLoader, got "
                 f"{type(loader).__module__}.{type(loader).__qualname__}; build the loader "
                 "with snaploader.DataLoader (same arguments as torch's)"
             )

@@ -4,7 +4,7 @@ for the rest of an interrupted epoch. No loader is built here (``distributed/res
 
 A *world* is the N checkpoints of one N-rank run, taken at one step, each from a
 loader over torch's ``DistributedSampler(num_replicas=N, rank=r)``; its fingerprint's
-``distributed`` entry (``_fingerprint.distributed_of``) records the sampler's
+``distributed`` entry (``_format/fingerprint.py``'s ``distributed_of``) records the sampler's
 arguments, from which rank r's order for any epoch is rebuilt with torch's own
 sampler. The rules, and what each guarantees, are in ``docs/elastic.md``.
 """

@@ -29,7 +29,7 @@ calls on every rank) and read (``on_load_checkpoint``, before the loops are rest
 
 Without the callback, a map-style loader under DDP is given rank 0's state on every
 rank; the loader then resumes at rank 0's position with its own samples and warns that
-the resume is not exact (``_fingerprint.lightning_rank0_state``), as torch's loader
+the resume is not exact (``_format/fingerprint.py``'s ``lightning_rank0_state``), as torch's loader
 would resume inexactly, rather than raising.
 """
 
