@@ -126,6 +126,7 @@ class SnapIterator:
                         f"{start.base_seed}; the checkpoint was edited or is corrupt"
                     )
             self.shared_seeds.after_base_seed(source, logical, start.draw_base_seed)
+            root = base_seed if start.sample_root is None else start.sample_root
             self.progress = EpochProgress(
                 epoch=start.epoch,
                 rng_start=rng_start,
@@ -137,7 +138,8 @@ class SnapIterator:
                 logical=logical,
                 in_order=start.in_order and not self.as_ready,
                 shared_seed=shared_seed,
-                sample_seed=self._sample_seed(base_seed, start.epoch),
+                sample_seed=self._sample_seed(root, start.epoch),
+                sample_root=None if not settings.options.seed_per_sample else root,
                 item_offset=start.item_offset,
                 epoch_length=start.epoch_length,
             )
@@ -160,11 +162,12 @@ class SnapIterator:
             self.progress.expected_digests = list(expected)
         self._dispatch()
 
-    def _sample_seed(self, base_seed: int, epoch: int) -> int | None:
+    def _sample_seed(self, root: int, epoch: int) -> int | None:
+        # NOTE [ per-sample root ] in _rng/per_sample.py
         settings = self.settings
         if not settings.options.seed_per_sample:
             return None
-        return epoch_seed(base_seed, epoch) if settings.sample_seed is None else settings.sample_seed
+        return epoch_seed(root, epoch) if settings.sample_seed is None else settings.sample_seed
 
     def _ready_workers(self, base_seed: int) -> None:
         """Start the workers (or reuse persistent ones) and position each for the epoch."""

@@ -180,6 +180,9 @@ def _epoch_fields(progress: EpochProgress) -> tuple[dict[str, Any], dict[str, st
         fields["item_offset"] = progress.item_offset
     if progress.epoch_length is not None:
         fields["epoch_length"] = progress.epoch_length
+    # Written only with seed_per_sample (NOTE [ per-sample root ] in _rng/per_sample.py).
+    if progress.sample_root is not None:
+        fields["sample_root"] = progress.sample_root
     made = (fields, _pieces(fields))
     progress.cache["fields"] = made
     return made

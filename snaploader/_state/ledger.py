@@ -183,6 +183,11 @@ class EpochProgress:
     # seed_per_sample: the seed every sample of the epoch derives its states from
     # (_rng/per_sample.py), sent with each task and resume; None when the option is off.
     sample_seed: int | None = None
+    # seed_per_sample: the run's per-sample root, the base seed of the loader's first
+    # epoch, carried from epoch to epoch and through checkpoints, so that the sample
+    # seed is epoch_seed(root, epoch) whatever persistent_workers (NOTE [ per-sample
+    # root ] in _rng/per_sample.py); None when the option is off.
+    sample_root: int | None = None
     # An epoch part resumed with another batch size or dataset length (EpochStart's).
     item_offset: int = 0
     epoch_length: int | None = None
@@ -314,6 +319,9 @@ class EpochStart:
     item_offset: int = 0
     epoch_length: int | None = None
     index_sampler: Any = None
+    # seed_per_sample: the run's per-sample root (EpochProgress's); None: this epoch's
+    # base seed is the root (a loader's first epoch, or a checkpoint that holds none)
+    sample_root: int | None = None
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:
@@ -322,11 +330,12 @@ class EpochStart:
         persistent workers do, when the count is the same; otherwise the epoch begins
         as a new loader's would (docs/elastic.md)."""
         if not persistent or progress.logical != logical:
-            return EpochStart(epoch=progress.epoch + 1)
+            return EpochStart(epoch=progress.epoch + 1, sample_root=progress.sample_root)
         return EpochStart(
             epoch=progress.epoch + 1,
             base_seed=progress.base_seed,
             draw_base_seed=False,
             workers=[ledger.next_epoch() for ledger in progress.workers],
             logical=logical,
+            sample_root=progress.sample_root,
         )

@@ -287,10 +287,11 @@ def _sample_seed(checkpoints: Sequence[Checkpoint]) -> int | None:
     rank, or None when the option is off."""
     if not checkpoints[0].fingerprint.get("seed_per_sample", False):
         return None
-    seeds = [checkpoint.base_seed for checkpoint in checkpoints]
+    # NOTE [ per-sample root ] in _rng/per_sample.py
+    seeds = [checkpoint.base_seed if checkpoint.sample_root is None else checkpoint.sample_root for checkpoint in checkpoints]
     if len(set(seeds)) > 1:
         raise ValueError(
-            f"the ranks' loaders drew different base seeds for the interrupted epoch ({seeds}): "
+            f"the ranks' loaders drew different base seeds for the run ({seeds}): "
             "with seed_per_sample=True a sample's draws follow the base seed, so no rank "
             "can draw a sample as its old rank did. Give every rank's loader the same "
             "generator seed (torch.Generator().manual_seed(seed)) to reshard exactly"
