@@ -278,6 +278,15 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             raise ValueError(f"sample_seed={sample_seed!r:.40}: expected an int in [0, 2**64), for a loader with seed_per_sample=True")
         self._sample_seed = sample_seed
 
+    def _continue_run(self, *, epoch: int, generator_state: bytes | None, sample_root: int | None) -> None:
+        """For ``snaploader.distributed``: make the next ``iter()`` start epoch ``epoch + 1``
+        of a run another loader read until then, from ``generator_state`` (the loader's
+        generator's, when it has one) and with the run's per-sample root
+        (``distributed/continuation.py``)."""
+        if generator_state is not None and self.generator is not None:
+            RngSource(self.generator).set_state(generator_state)
+        self._pending = EpochStart(epoch=epoch + 1, sample_root=sample_root if self.seed_per_sample else None)
+
     def batches_remaining(self) -> int | None:
         """How many batches the epoch in progress still yields: ``len(loader)`` minus
         those already yielded (or skipped). After :meth:`load_state_dict`, what the next

@@ -1,0 +1,108 @@
+"""How the old run's next epoch begins, for the loaders a re-partitioning ``reshard``
+builds anew (``distributed/resharded.py``): a loader made by ``make_loader`` starts
+as a new loader would (epoch 0, its generator as built), and would repeat the old
+run's epoch-0 draws. :class:`Continuation` is what the old run's checkpoints say of
+the epoch after their own, applied to each such loader before its first ``iter()``:
+
+- the loader's epoch counter, which names the epoch of each per-sample seed
+  (``seed_per_sample``) and of the run's per-sample root (NOTE [ per-sample root ]
+  in ``_rng/per_sample.py``);
+- its generator's state, as the old run's would stand at that epoch's start: the
+  checkpoint's ``rng_next`` between epochs, or mid-epoch its ``rng_start`` with the
+  epoch's own draws from it replayed (the base seed; torch's DistributedSampler draws
+  nothing from the loader's generator). So the next epoch's base seed is the old
+  run's when it drew one (not with persistent workers, whose epochs after the first
+  draw none and carry RNG states no new worker has). New rank j continues old rank
+  ``j mod N``'s generator; they are all one when every rank's generator had the same
+  seed. With no generator (torch's global RNG), the training loop's RNG draws as
+  always and nothing is set.
+
+Plain data (``to_plain``/``from_plain``), part of a re-partition's source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointFormatError
+from .._format import plain as _plain
+from .._format.checkpoint import Checkpoint
+from .._loader import DataLoader
+from .._rng.capture import RngSource
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The old run's next epoch: after its epoch ``epoch`` (-1: none begun), with the
+    run's per-sample root, from the generator states ``rngs`` (one per old rank, or
+    one for all; empty: torch's global RNG)."""
+
+    epoch: int
+    sample_root: int | None
+    rngs: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, checkpoints: Sequence[Checkpoint]) -> Continuation:
+        """What the N checkpoints of one world (one step, one epoch) say of the epoch after theirs."""
+        first = checkpoints[0]
+        roots = {c.base_seed if c.sample_root is None else c.sample_root for c in checkpoints}
+        root = roots.pop() if first.epoch >= 0 and first.fingerprint.get("seed_per_sample", False) and len(roots) == 1 else None
+        states = [_next_state(c) for c in checkpoints]
+        rngs: tuple[bytes, ...] = ()
+        if all(state is not None for state in states):
+            rngs = tuple(state for state in states if state is not None)
+            if len(set(rngs)) == 1:
+                rngs = rngs[:1]
+        return cls(first.epoch, root, rngs)
+
+    def rng_for(self, rank: int) -> bytes | None:
+        return self.rngs[rank % len(self.rngs)] if self.rngs else None
+
+    def apply(self, loader: DataLoader[Any], rank: int) -> None:
+        """Make ``loader``'s next ``iter()`` the old run's next epoch, for new rank ``rank``."""
+        loader._continue_run(epoch=self.epoch, generator_state=self.rng_for(rank), sample_root=self.sample_root)
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "sample_root": self.sample_root, "rngs": [_plain.b64(state) for state in self.rngs]}
+
+    @classmethod
+    def from_plain(cls, plain: Any, where: str, ranks: int) -> Continuation:
+        """The continuation ``plain`` describes, every field checked (``ranks``: the old world's size)."""
+        if not isinstance(plain, dict) or set(plain) != {"epoch", "sample_root", "rngs"}:
+            raise CheckpointFormatError(f"{where} should be a dict of 'epoch', 'sample_root' and 'rngs'")
+        epoch, root, rngs = plain["epoch"], plain["sample_root"], plain["rngs"]
+        if type(epoch) is not int or not -1 <= epoch < 2**62:
+            raise CheckpointFormatError(f"{where}['epoch'] should be an int from -1 to 2**62, got {epoch!r:.60}")
+        if root is not None and (type(root) is not int or not 0 <= root < 2**63):
+            raise CheckpointFormatError(f"{where}['sample_root'] should be None or an int in [0, 2**63), got {root!r:.60}")
+        if not isinstance(rngs, list) or len(rngs) not in (0, 1, ranks):
+            raise CheckpointFormatError(f"{where}['rngs'] should be a list of 0, 1 or {ranks} generator states")
+        states = []
+        for i, text in enumerate(rngs):
+            inner = f"{where}['rngs'][{i}]"
+            try:
+                if type(text) is not str:
+                    raise ValueError(f"{inner} is not a str")
+                state = _plain.unb64(text, inner)
+                RngSource.check_state(state)
+            except ValueError as exc:
+                raise CheckpointFormatError(f"{inner} is not a generator state: {exc}") from None
+            states.append(state)
+        return cls(epoch, root, tuple(states))
+
+
+def _next_state(checkpoint: Checkpoint) -> bytes | None:
+    """The state the old rank's generator starts the epoch after the checkpoint's from."""
+    if checkpoint.rng_kind != "generator":
+        return None
+    if checkpoint.ended or checkpoint.rng_start is None:
+        return checkpoint.rng_next
+    source = RngSource(torch.Generator())
+    source.set_state(checkpoint.rng_start)
+    if checkpoint.drew_base_seed:
+        source.draw_base_seed()
+    return source.get_state()
