@@ -25,6 +25,7 @@ from ._state.published import Publisher
 from ._rng.objects import RngCensus, discover
 from ._rng.kinds import KINDS
 from ._epoch.plan import stateful_part
+from ._epoch import sampler_rngs
 from ._epoch.resize import part_batches, resized
 from ._state.records import has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
@@ -278,15 +279,6 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             raise ValueError(f"sample_seed={sample_seed!r:.40}: expected an int in [0, 2**64), for a loader with seed_per_sample=True")
         self._sample_seed = sample_seed
 
-    def _continue_run(self, *, epoch: int, generator_state: bytes | None, sample_root: int | None) -> None:
-        """For ``snaploader.distributed``: make the next ``iter()`` start epoch ``epoch + 1``
-        of a run another loader read until then, from ``generator_state`` (the loader's
-        generator's, when it has one) and with the run's per-sample root
-        (``distributed/continuation.py``)."""
-        if generator_state is not None and self.generator is not None:
-            RngSource(self.generator).set_state(generator_state)
-        self._pending = EpochStart(epoch=epoch + 1, sample_root=sample_root if self.seed_per_sample else None)
-
     def batches_remaining(self) -> int | None:
         """How many batches the epoch in progress still yields: ``len(loader)`` minus
         those already yielded (or skipped). After :meth:`load_state_dict`, what the next
@@ -406,6 +398,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 restore.ledgers, self.dataset, self.replay, state_protocol=self.state_protocol,
                 lossy=self._lossy_protocol, warn=False,
             )
+        if not self._iterable:  # the sampler's own generators (_epoch/sampler_rngs.py)
+            sampler_rngs.restore(self._index_sampler, self._auto_collation, self.generator, self.exclude_rngs, restore.checkpoint.sampler_rngs)
         # An iterator that went on would yield the old stream while state_dict()
         # reports the loaded one: each one raises at its next next() instead.
         for iterator in list(self._iterators):

@@ -42,12 +42,12 @@ from .._state.ledger import (
 )
 from .dispatch import MapDispatch, by_position, pick, round_robin
 from .plan import IndexPlan, epoch_aware_part
+from . import sampler_rngs
 from .._state.replay import announce_replay
 from .._workers.datapipe import SharedSeeds, world
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
-from .._rng.per_sample import epoch_seed
 from .._workers.runner import Runner, RunnerClosed
 from .._workers.runtime import load_carried_state
 from .._workers.selfcheck import check_restored_batch
@@ -138,7 +138,7 @@ class SnapIterator:
                 logical=logical,
                 in_order=start.in_order and not self.as_ready,
                 shared_seed=shared_seed,
-                sample_seed=self._sample_seed(root, start.epoch),
+                sample_seed=settings.sample_seed_for(root, start.epoch),
                 sample_root=None if not settings.options.seed_per_sample else root,
                 item_offset=start.item_offset,
                 epoch_length=start.epoch_length,
@@ -149,6 +149,8 @@ class SnapIterator:
             # do not each inherit a copy of the epoch's index list.
             plan, self.mapping = None, None
             if not settings.iterable:
+                objects = sampler_rngs.find(index_sampler, settings.auto_collation, settings.generator, settings.options.exclude_rngs)
+                self.progress.sampler_objects, self.progress.sampler_rngs = objects, sampler_rngs.capture(objects)
                 start_at = self.progress.plan_skip
                 plan = IndexPlan(
                     index_sampler, start_at, start.sampler_state, state_at=at_start, item_offset=start.item_offset
@@ -161,13 +163,6 @@ class SnapIterator:
         if expected is not None and settings.options.check_resume:
             self.progress.expected_digests = list(expected)
         self._dispatch()
-
-    def _sample_seed(self, root: int, epoch: int) -> int | None:
-        # NOTE [ per-sample root ] in _rng/per_sample.py
-        settings = self.settings
-        if not settings.options.seed_per_sample:
-            return None
-        return epoch_seed(root, epoch) if settings.sample_seed is None else settings.sample_seed
 
     def _ready_workers(self, base_seed: int) -> None:
         """Start the workers (or reuse persistent ones) and position each for the epoch."""

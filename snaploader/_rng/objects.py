@@ -140,15 +140,17 @@ class Found:
 
 
 def discover(
-    roots: list[tuple[str, Any]], exclude: Exclude, alike: frozenset[int] = frozenset()
+    roots: list[tuple[str, Any]], exclude: Exclude, alike: frozenset[int] = frozenset(),
+    known: Iterable[Any] = (),
 ) -> tuple[list[Found], list[str]]:
     """The generators reachable from ``roots`` in depth-first order, and the problems
     met (uncapturable generators, the walk's bound). ``alike``: ids of generators that
     start alike in every worker on purpose (an IterDataPipe's shuffle, seeded from the
-    epoch's shared seed), never reported as started in the same state."""
+    epoch's shared seed), never reported as started in the same state. ``known``:
+    generators whose states the checkpoint carries otherwise (the loader's own), left out."""
     found: list[Found] = []
     problems: list[str] = []
-    seen: set[int] = set()
+    seen: set[int] = {id(obj) for obj in known}
     stack = list(reversed(roots))
     visits = 0
     while stack:
@@ -214,12 +216,13 @@ class ObjectRngs:
 
     @staticmethod
     def find(
-        roots: list[tuple[str, Any]], extra: ExtraRngs, exclude: Exclude, alike: frozenset[int] = frozenset()
+        roots: list[tuple[str, Any]], extra: ExtraRngs, exclude: Exclude, alike: frozenset[int] = frozenset(),
+        known: Iterable[Any] = (),
     ) -> ObjectRngs:
         roots = list(roots)
         if extra is not None:
             roots.append(("rng_objects()", extra()))
-        return ObjectRngs(*discover(roots, exclude, alike))
+        return ObjectRngs(*discover(roots, exclude, alike, known))
 
     def read_all(self) -> list[bytes]:
         return [access.read() for access in self.access]
@@ -250,9 +253,10 @@ class ObjectRngs:
         self.report = None
         return self.blob, report
 
-    def restore(self, blob: bytes | None, worker_id: int, skip_iterator: bool = False) -> None:
+    def restore(self, blob: bytes | None, worker_id: int | str, skip_iterator: bool = False) -> None:
         """Write the states of ``blob`` into the objects found at the same paths;
-        :class:`CheckpointFormatError` naming the first path that differs."""
+        :class:`CheckpointFormatError` naming the first path that differs. ``worker_id``:
+        the worker's index, or who else holds the objects ("the sampler")."""
 
         def keep(path: str) -> bool:
             return not (skip_iterator and path.startswith("iterator"))
@@ -262,7 +266,7 @@ class ObjectRngs:
                 # A worker that holds generators writes their states into every
                 # snapshot: one without them was edited, or comes from other code.
                 raise CheckpointFormatError(
-                    f"the checkpoint holds no generator-object states for worker {worker_id}, "
+                    f"the checkpoint holds no generator-object states for {_who(worker_id)}, "
                     f"but its code holds generators ({', '.join(p for p in self.paths if keep(p))}); "
                     "load the checkpoint taken with this dataset and code"
                 )
@@ -272,7 +276,7 @@ class ObjectRngs:
             # was made by this worker's code: split, not checked again.
             records = parse(blob, check=False)
         except ValueError as exc:
-            raise CheckpointFormatError(f"the generator-object states for worker {worker_id}: {exc}") from None
+            raise CheckpointFormatError(f"the generator-object states for {_who(worker_id)}: {exc}") from None
 
         saved = [(path, code, state) for path, code, state in records if keep(path)]
         mine = [(i, path, code) for i, (path, code) in enumerate(zip(self.paths, self.codes)) if keep(path)]
@@ -289,13 +293,18 @@ def _describe(entry: tuple[str, int] | None) -> str:
     return "nothing more" if entry is None else f"a {KINDS[entry[1]].name} at {entry[0]}"
 
 
-def _mismatch(worker_id: int, theirs: tuple[str, int] | None, ours: tuple[str, int] | None) -> str:
+def _who(worker_id: int | str) -> str:
+    return f"worker {worker_id}" if isinstance(worker_id, int) else worker_id
+
+
+def _mismatch(worker_id: int | str, theirs: tuple[str, int] | None, ours: tuple[str, int] | None) -> str:
     path = (theirs or ours or ("?", 0))[0]
+    holders = "The dataset, its transforms, collate_fn or worker_init_fn hold" if isinstance(worker_id, int) else "The sampler (or batch sampler) holds"
     return (
-        f"the checkpoint's generator objects for worker {worker_id} differ from this "
-        f"loader's at {path}: the checkpoint has {_describe(theirs)}, this worker found "
-        f"{_describe(ours)}. The dataset, its transforms, collate_fn or worker_init_fn "
-        "hold different generators than when the checkpoint was taken; build them the "
+        f"the checkpoint's generator objects for {_who(worker_id)} differ from this "
+        f"loader's at {path}: the checkpoint has {_describe(theirs)}, this loader found "
+        f"{_describe(ours)}. {holders} "
+        "different generators than when the checkpoint was taken; build them the "
         "same way (and with the same rng_objects/exclude_rngs) to resume"
     )
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .._rng.objects import ObjectRngs
 from .records import Resume, Snapshot
 
 
@@ -191,6 +192,11 @@ class EpochProgress:
     # An epoch part resumed with another batch size or dataset length (EpochStart's).
     item_offset: int = 0
     epoch_length: int | None = None
+    # The generator objects the sampler holds (_epoch/sampler_rngs.py), and their
+    # encoded states at the epoch start and, once it ended, for the next epoch.
+    sampler_objects: ObjectRngs | None = field(default=None, repr=False)
+    sampler_rngs: bytes | None = field(default=None, repr=False)
+    sampler_rngs_next: bytes | None = field(default=None, repr=False)
     # first_due() of the position it was computed for (the position is immutable)
     _due: tuple[Position | None, int] = field(default=(None, 0), repr=False, compare=False)
     # The checkpoint's pieces that are fixed for the epoch, made once (_format/build.py).
@@ -286,6 +292,8 @@ class EpochProgress:
     def end(self) -> None:
         """Publish that the epoch is over."""
         # A skip never carries over into the next epoch (docs/api.md).
+        if self.sampler_objects is not None and self.sampler_objects.paths:
+            self.sampler_rngs_next = self.sampler_objects.snapshot()[0]
         self.position = replace(
             self.position, ended=True, sampler_state=self._sampler_state(self.first_due()), skip=0
         )

@@ -33,6 +33,7 @@ from .._format import plain as _plain
 from .._format.checkpoint import Checkpoint
 from .._loader import DataLoader
 from .._rng.capture import RngSource
+from .._state.ledger import EpochStart
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,13 @@ class Continuation:
 
     def apply(self, loader: DataLoader[Any], rank: int) -> None:
         """Make ``loader``'s next ``iter()`` the old run's next epoch, for new rank ``rank``."""
-        loader._continue_run(epoch=self.epoch, generator_state=self.rng_for(rank), sample_root=self.sample_root)
+        # What load_state_dict() of a checkpoint taken between epochs sets; the loader's
+        # own record of a next epoch (``_pending``), set here rather than through a
+        # checkpoint: none of this loader's can say "after epoch E of another run".
+        state = self.rng_for(rank)
+        if state is not None and loader.generator is not None:
+            RngSource(loader.generator).set_state(state)
+        loader._pending = EpochStart(epoch=self.epoch + 1, sample_root=self.sample_root if loader.seed_per_sample else None)
 
     def to_plain(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "sample_root": self.sample_root, "rngs": [_plain.b64(state) for state in self.rngs]}
