@@ -91,6 +91,7 @@ class SnapIterator:
         if settings is not None:
             self.settings = settings
         settings = self.settings
+        self.taken = False  # next() called this epoch (docs/design.md, a load before the first next())
         self.as_ready = not settings.in_order and settings.num_workers > 0
         index_sampler = settings.index_sampler if start.index_sampler is None else start.index_sampler
         sampler_with_epoch = None if settings.iterable else epoch_aware_part(index_sampler)
@@ -149,8 +150,7 @@ class SnapIterator:
             # do not each inherit a copy of the epoch's index list.
             plan, self.mapping = None, None
             if not settings.iterable:
-                objects = sampler_rngs.find(index_sampler, settings.auto_collation, settings.generator, settings.options.exclude_rngs)
-                self.progress.sampler_objects, self.progress.sampler_rngs = objects, sampler_rngs.capture(objects)
+                sampler_rngs.begin(self.progress, index_sampler, settings.auto_collation, (settings.dataset, settings.generator), settings.options.exclude_rngs)
                 start_at = self.progress.plan_skip
                 plan = IndexPlan(
                     index_sampler, start_at, start.sampler_state, state_at=at_start, item_offset=start.item_offset
@@ -254,6 +254,7 @@ class SnapIterator:
     def __next__(self) -> Any:
         if self.invalidated:
             raise RuntimeError(_INVALIDATED)
+        self.taken = True
         if self.closed or self.progress.ended:
             raise StopIteration
         try:

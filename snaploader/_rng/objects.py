@@ -195,6 +195,11 @@ def discover(
     return found, problems
 
 
+def described(found: list[Found]) -> list[tuple[str, str]]:
+    """(path, kind) of each generator found, as ``DataLoader.captured_rngs()`` lists them."""
+    return [(entry.path, KINDS[entry.code].name) for entry in found]
+
+
 def _short_hash(state: bytes) -> bytes:
     return hashlib.blake2b(state, digest_size=8).digest()
 
@@ -211,8 +216,7 @@ class ObjectRngs:
         self.initial = [_short_hash(state) for state in self.last]
         self.moved = [entry.alike for entry in found]  # an alike one is never reported as moved
         self.blob = encode_entries(self.headers, self.last) if found else None
-        found_kinds = tuple((path, KINDS[code].name) for path, code in zip(self.paths, self.codes))
-        self.report: RngReport | None = RngReport(found_kinds, (), tuple(problems))
+        self.report: RngReport | None = RngReport(tuple(self.kinds()), (), tuple(problems))
 
     @staticmethod
     def find(
@@ -223,6 +227,10 @@ class ObjectRngs:
         if extra is not None:
             roots.append(("rng_objects()", extra()))
         return ObjectRngs(*discover(roots, exclude, alike, known))
+
+    def kinds(self) -> list[tuple[str, str]]:
+        """(path, kind) of each generator captured."""
+        return [(path, KINDS[code].name) for path, code in zip(self.paths, self.codes)]
 
     def read_all(self) -> list[bytes]:
         return [access.read() for access in self.access]

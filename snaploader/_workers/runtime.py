@@ -386,9 +386,12 @@ def _blame_own_state(exc: BaseException, dataset: Any, how: str) -> BaseExceptio
     name = type(dataset).__qualname__
     exc.add_note(
         f"Raised {how} {name}'s own state from a snapshot (a checkpoint's, or the last "
-        f"epoch's end with persistent workers): that state is the likely "
-        f"cause ({name}'s state_dict() may not save everything its load_state_dict() needs, "
-        "a shuffle buffer for one, or may be another worker count's). Build the loader with "
+        f"epoch's end with persistent workers): that state, or what {name}'s "
+        "load_state_dict() does with it, is the likely cause. As in torchdata, the "
+        "dataset's load_state_dict() runs before iter(dataset) and its iterator's after it "
+        "(the dataset's own when __iter__ returns self); the state may also lack "
+        "something the next batch needs, or come from another logical worker count "
+        "(docs/iterable.md, \"Datasets with their own state\"). Build the loader with "
         "state_protocol=False to resume it exactly by replay from the epoch start instead"
     )
     return exc

@@ -102,6 +102,21 @@ class Continuation:
         return cls(epoch, root, tuple(states))
 
 
+def continued(loader: DataLoader[Any], after: Continuation | None, rank: int) -> DataLoader[Any]:
+    """``loader``, made to start the old run's next epoch (None: a source that predates
+    the record, left to start as a new loader)."""
+    if after is not None:
+        after.apply(loader, rank)
+    return loader
+
+
+def read_to_end(loader: DataLoader[Any]) -> bool:
+    """Whether ``loader``, reading the rest of an interrupted epoch, has yielded all of
+    it (its next ``iter()`` would be an epoch of its own, not the old run's next)."""
+    state = loader.state_dict()
+    return bool(state["ended"]) and state["epoch"] >= 0
+
+
 def _next_state(checkpoint: Checkpoint) -> bytes | None:
     """The state the old rank's generator starts the epoch after the checkpoint's from."""
     if checkpoint.rng_kind != "generator":

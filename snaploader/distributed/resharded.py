@@ -40,6 +40,7 @@ from torch.utils.data import Sampler
 from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.checkpoint import check_depth, sha256_of
 from .._loader import DataLoader
+from .continuation import continued, read_to_end
 from .rules import (
     Source, World, check_reached, gather, hosted, new_batch_size, rebatch_allowed, remaining, require_in_order,
     sampler_for, share,
@@ -104,13 +105,6 @@ def _build(make_loader: LoaderFactory, sampler: Sampler[int]) -> DataLoader[Any]
     return loader
 
 
-def _continued(loader: DataLoader[Any], source: Source, rank: int) -> DataLoader[Any]:
-    """``loader``, whose next ``iter()`` is the old run's next epoch (``continuation.py``)."""
-    if source.after is not None:
-        source.after.apply(loader, rank)
-    return loader
-
-
 def _remainder(make_loader: LoaderFactory, source: Source, rank: int, world_size: int) -> DataLoader[Any]:
     """The loader reading new rank ``rank``'s share of the interrupted epoch, drawing with
     that epoch's per-sample seed when the old run used seed_per_sample."""
@@ -157,7 +151,7 @@ class ReshardedLoader:
         self._set_epoch: int | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        if self._rest is not None and not self.loaders and not _read_to_end(self._rest[1]):
+        if self._rest is not None and not self.loaders and not read_to_end(self._rest[1]):
             self.loaders = [self._rest[1]]
             return iter(self.loaders[0])
         if self._rest is not None:
@@ -182,7 +176,7 @@ class ReshardedLoader:
         epoch = self._set_epoch
         if epoch is None and source.sampler_epoch is not None:
             epoch = source.sampler_epoch + 1
-        return _continued(_build(self.make_loader, sampler_for(source, self.world_size, self.rank, epoch)), source, self.rank)
+        return continued(_build(self.make_loader, sampler_for(source, self.world_size, self.rank, epoch)), source.after, self.rank)
 
     def __len__(self) -> int:
         if self._rest is not None and not self.loaders:
@@ -223,12 +217,6 @@ class ReshardedLoader:
             "rank=..., world_size=...) with every rank's state (from a DCP checkpoint: "
             "snaploader.distributed.dcp_states(path)), not by load_state_dict"
         )
-
-
-def _read_to_end(loader: DataLoader[Any]) -> bool:
-    """Whether ``loader`` (reading the rest of an interrupted epoch) has yielded all of it."""
-    state = loader.state_dict()
-    return bool(state["ended"]) and state["epoch"] >= 0
 
 
 def _check_resharded(state: dict[str, Any], where: str) -> None:
@@ -347,7 +335,7 @@ def reshard(
         require_in_order(world.checkpoints)
     source = _check_world(world, make_loader, rebatch, built)
     if source.sampler_epoch is None:  # no epoch under way: the M-rank sampler now
-        after = _continued(_build(make_loader, sampler_for(source, world_size, rank, _epoch_of(world))), source, rank)
+        after = continued(_build(make_loader, sampler_for(source, world_size, rank, _epoch_of(world))), source.after, rank)
         return ReshardedLoader(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
             combine=combine, loaders=[after], epoch=_epoch_of(world),
