@@ -18,24 +18,11 @@ from snaploader import DataLoader
 from snaploader._format.checkpoint import resign
 
 from ._datasets import Augmented
+from ._object_datasets import TorchShuffled
 from ._support import assert_same_stream, generator, take, through_bytes
 
 N = 24
 _TOPOLOGIES = [(0, False), (2, False), (2, True)]
-
-
-class TorchShuffled(Sampler[int]):
-    """Shuffles with a torch.Generator of its own, as bucketing samplers do."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.g = torch.Generator().manual_seed(5)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(torch.randperm(self.n, generator=self.g).tolist())
-
-    def __len__(self) -> int:
-        return self.n
 
 
 class NumpyShuffled(TorchShuffled):

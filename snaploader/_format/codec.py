@@ -66,7 +66,9 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    over since its last snapshot; absent in older files: 0), each snapshot
                    {rng (base64 of the raw states, _rng/capture.py; older files may hold
                    twist codes, _rng/twist.py), produced, data,
-                   data_owner, complete, exhausted,
+                   data_owner ("dataset", "iterator", or "both", torchdata's pair
+                   of an iterable whose iterator is not the dataset: then data is
+                   {"dataset": ..., "iterator": ...}; or None), complete, exhausted,
                    objects (base64 of the generator objects' states, _rng/kinds.py, or
                    None)};
                    yielded_complete is "same as yielded" when it is; epoch_start is
@@ -96,9 +98,9 @@ def _carried_dataset_state(ledgers: list[WorkerLedger], logical: int) -> Any:
     if logical != 0 or not ledgers:
         return None
     last = ledgers[0].yielded or ledgers[0].epoch_start
-    if last is None or last.data_owner != "dataset" or not last.complete:
+    if last is None or last.data_owner not in ("dataset", "both") or not last.complete:
         return None
-    return last.data
+    return last.data["dataset"] if last.data_owner == "both" else last.data
 
 
 def _expanded(checkpoint: Checkpoint) -> list[WorkerLedger]:

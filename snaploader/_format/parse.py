@@ -46,7 +46,7 @@ from .._rng.twist import LOAD_TWISTS, code_twists
 from .._state.ledger import WorkerLedger
 from .._state.records import Snapshot
 
-_OWNERS: Final = (None, "dataset", "iterator")
+_OWNERS: Final = (None, "dataset", "iterator", "both")
 
 # torchdata's StatefulDataLoader.state_dict() keys (single- and multi-process iterators).
 _TORCHDATA_KEYS: Final = frozenset({
@@ -341,10 +341,13 @@ def _snapshot(where: str, value: dict[str, Any]) -> Snapshot:
     except ValueError as exc:
         raise _fail(f"{where}['rng']", f"is not an RNG state snaploader wrote: {exc}") from None
     objects = None if value["objects"] is None else _objects_blob(f"{where}['objects']", value["objects"])
+    data = _decoded(f"{where}['data']", value["data"])
+    if owner == "both" and data is not None and not (isinstance(data, dict) and set(data) == {"dataset", "iterator"}):
+        raise _fail(f"{where}['data']", "should be {'dataset': ..., 'iterator': ...} for data_owner 'both'")
     return Snapshot(
         rng=rng,
         produced=_at_least(f"{where}['produced']", value["produced"], 0),
-        data=_decoded(f"{where}['data']", value["data"]),
+        data=data,
         data_owner=owner,
         complete=value["complete"],
         exhausted=value["exhausted"],
