@@ -1,7 +1,8 @@
 """Generator objects held by a worker's code: found by a bounded walk, snapshotted with
 the global RNGs, restored by path.
 
-A dataset, its transforms, ``collate_fn`` and ``worker_init_fn`` may hold their own
+A dataset, its transforms, ``collate_fn`` and ``worker_init_fn`` (and, searched in the
+main process, the sampler: ``_epoch/sampler_rngs.py``) may hold their own
 generators (``np.random.default_rng``, ``random.Random``, ``torch.Generator``,
 albumentations' per-transform generators). A worker walks that object graph once when
 it starts (after ``worker_init_fn``, which may create some) and again at every
