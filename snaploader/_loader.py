@@ -396,7 +396,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 restore.ledgers, self.dataset, self.replay, state_protocol=self.state_protocol,
                 lossy=self._lossy_protocol, warn=False,
             )
-        if not self._iterable:  # the sampler's own generators (_epoch/sampler_rngs.py)
+        if not self._iterable and not {"sampler", "batch_sampler"} & allowed:  # its own generators (_epoch/sampler_rngs.py)
             sampler_rngs.restore(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self.exclude_rngs, restore.checkpoint.sampler_rngs)
         # An iterator that went on would yield the old stream while state_dict() reports
         # the loaded one: it raises instead (NOTE [ a load before the first next() ], design.md).
