@@ -170,3 +170,12 @@ def test_a_checkpoint_without_sampler_rngs_still_loads() -> None:
     resumed = _by_sampler("torch", 0, False)
     resumed.load_state_dict(older)
     assert len(list(resumed)) == len(resumed) - 2
+
+
+def test_captured_rngs_lists_the_sampler_s_generators() -> None:
+    loader = _by_sampler("torch", 0, False)
+    assert "batch_sampler.sampler.g" in [path for path, _ in loader.captured_rngs()]
+    unbatched = DataLoader(Augmented(N), batch_size=None, sampler=TorchShuffled(N))
+    assert [path for path, _ in unbatched.captured_rngs()] == ["sampler.g"]
+    shuffled = DataLoader(Augmented(N), batch_size=3, shuffle=True, generator=generator(3))
+    assert shuffled.captured_rngs() == []
