@@ -3,9 +3,13 @@ exactly, the rest of its epoch and every later one (issue 32, item 2)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -179,3 +183,33 @@ def test_captured_rngs_lists_the_sampler_s_generators() -> None:
     assert [path for path, _ in unbatched.captured_rngs()] == ["sampler.g"]
     shuffled = DataLoader(Augmented(N), batch_size=3, shuffle=True, generator=generator(3))
     assert shuffled.captured_rngs() == []
+
+
+_CHILD = """
+import sys, warnings, torch
+from tests.test_sampler_rngs import _by_sampler
+warnings.simplefilter("ignore")
+loader = _by_sampler(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "True")
+loader.load_state_dict(torch.load(sys.argv[4], weights_only=True))
+torch.save([list(loader), list(loader)], sys.argv[5])
+"""
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, True)])
+def test_a_fresh_process_resumes_the_sampler_s_order(tmp_path: Path, workers: int, persistent: bool) -> None:
+    # The issue's case: a checkpoint in epoch 1, resumed in a new process.
+    expected = _epochs(_by_sampler("torch", workers, persistent), 3)
+    saved = _by_sampler("torch", workers, persistent)
+    _epochs(saved, 1)
+    iterator = iter(saved)
+    before = take(iterator, 3)
+    torch.save(saved.state_dict(), tmp_path / "state.pt")
+    del iterator
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, "torch", str(workers), str(persistent), str(tmp_path / "state.pt"), str(tmp_path / "out.pt")],
+        check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120,
+    )
+    rest, following = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert_same_stream(before + rest, expected[1], "epoch 1")
+    assert_same_stream(following, expected[2], "epoch 2")
