@@ -44,17 +44,19 @@ def _samples(batches: Any) -> dict[int, torch.Tensor]:
 
 
 def _old_run(make: Callable[[Any], Any]) -> tuple[list[dict[str, Any]], dict[int, torch.Tensor], list[int]]:
-    """Each old rank's state after CUT steps of epoch 0; the samples of the epoch after
-    (sampler epoch 1), and each rank's base seed for it."""
+    """Each old rank's state after CUT steps of epoch 1 (epoch 0 read whole); the
+    samples of the epoch after (sampler epoch 2), and each rank's base seed for it."""
     states, following, seeds = [], {}, []
     for rank in range(OLD):
         sampler = DistributedSampler(Augmented(N), num_replicas=OLD, rank=rank, shuffle=True, seed=5)
         loader = make(sampler)
+        list(loader)
+        sampler.set_epoch(1)
         iterator = iter(loader)
         take(iterator, CUT)
         states.append(through_bytes(loader.state_dict()))
         list(iterator)
-        sampler.set_epoch(1)
+        sampler.set_epoch(2)
         iterator = iter(loader)
         seeds.append(loader.state_dict()["base_seed"])
         following.update(_samples(list(iterator)))
@@ -80,15 +82,19 @@ def test_the_epoch_after_a_repartition_is_the_old_run_s_next_epoch(
     for rank in range(new):
         loader = reshard(states, make, rank=rank, world_size=new, allow_mismatch=("batch_size",))
         assert loader.mode == "repartition"
-        _quiet(lambda: list(loader))  # the rest of epoch 0
-        loader.set_epoch(1)
-        iterator = iter(loader)
+        rest = iter(loader)  # the rest of epoch 1, from the old run's generator state then
         (inner,) = loader.loaders
         assert inner.num_workers == workers and inner.persistent_workers is persistent
         assert inner.batch_size == batch_size and inner.seed_per_sample is per_sample
+        if not persistent:  # the old run's base seed for epoch 1 (persistent workers kept epoch 0's)
+            assert inner.state_dict()["base_seed"] == states[rank % OLD]["base_seed"]
+        _quiet(lambda: list(rest))
+        loader.set_epoch(2)
+        iterator = iter(loader)
+        (inner,) = loader.loaders
         state = inner.state_dict()
-        assert state["epoch"] == 1, "the next epoch is the old run's epoch 1"
-        assert state["base_seed"] != states[rank % OLD]["base_seed"], "epoch 0's base seed again"
+        assert state["epoch"] == 2, "the next epoch is the old run's epoch 2"
+        assert state["base_seed"] != states[rank % OLD]["base_seed"], "epoch 1's base seed again"
         if not persistent:  # persistent workers draw no base seed after the first epoch
             assert state["base_seed"] == old_seeds[rank % OLD], "another base seed than the old run's next epoch"
         got.update(_samples(_quiet(lambda: list(iterator))))
@@ -111,7 +117,7 @@ def test_a_checkpoint_between_the_rest_and_the_next_epoch_keeps_the_continuation
     got: dict[int, torch.Tensor] = {}
     for rank in range(3):
         loader = reshard(saved, make, rank=rank, world_size=3)
-        loader.set_epoch(1)
+        loader.set_epoch(2)
         iterator = iter(loader)
         if not persistent:
             assert loader.loaders[0].state_dict()["base_seed"] == old_seeds[rank]
@@ -129,18 +135,21 @@ def test_between_epochs_the_new_world_continues_the_generator() -> None:
         sampler = DistributedSampler(Augmented(N), num_replicas=OLD, rank=rank, shuffle=True, seed=5)
         loader = make(sampler)
         list(loader)
-        states.append(through_bytes(loader.state_dict()))
         sampler.set_epoch(1)
+        list(loader)
+        states.append(through_bytes(loader.state_dict()))
+        sampler.set_epoch(2)
         iterator = iter(loader)
         seeds.append(loader.state_dict()["base_seed"])
         following.update(_samples(list(iterator)))
     got: dict[int, torch.Tensor] = {}
     for rank in range(3):
         loader = reshard(states, make, rank=rank, world_size=3)
-        loader.set_epoch(1)
+        assert loader.epoch == 2
+        loader.set_epoch(2)
         iterator = iter(loader)
         state = loader.loaders[0].state_dict()
-        assert (state["epoch"], state["base_seed"]) == (1, seeds[rank])
+        assert (state["epoch"], state["base_seed"]) == (2, seeds[rank])
         got.update(_samples(list(iterator)))
     for index, row in following.items():
         assert torch.equal(got[index][1:], row[1:]), f"sample {index} differs"
@@ -158,6 +167,7 @@ def test_the_continuation_is_checked_when_read_back() -> None:
         ({**source["after"], "sample_root": -1}, r"\['after'\]\['sample_root'\] should be None or an int"),
         ({**source["after"], "rngs": ["AAAA"]}, r"\['after'\]\['rngs'\]\[0\] is not a generator state"),
         ({**source["after"], "rngs": [source["after"]["rngs"][0]] * 2}, r"\['after'\]\['rngs'\] should be a list of 0, 1 or 4"),
+        ({**source["after"], "starts": "x"}, r"\['after'\]\['starts'\] should be a list"),
         ({"epoch": 0}, r"\['after'\] should be a dict"),
     ]
     for after, error in bad:

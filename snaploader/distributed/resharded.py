@@ -108,7 +108,9 @@ def _build(make_loader: LoaderFactory, sampler: Sampler[int]) -> DataLoader[Any]
 def _remainder(make_loader: LoaderFactory, source: Source, rank: int, world_size: int) -> DataLoader[Any]:
     """The loader reading new rank ``rank``'s share of the interrupted epoch, drawing with
     that epoch's per-sample seed when the old run used seed_per_sample."""
-    loader = _build(make_loader, RemainderSampler(share(remaining(source), source.deal_size, rank, world_size)))
+    loader = continued(
+        _build(make_loader, RemainderSampler(share(remaining(source), source.deal_size, rank, world_size))), source.after, rank, rest=True,
+    )
     _check_source(source, loader)
     if loader.seed_per_sample != (source.sample_seed is not None):
         raise CheckpointMismatchError(
