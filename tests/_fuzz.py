@@ -29,7 +29,7 @@ from snaploader._rng import twist
 from snaploader._rng.kinds import parse as parse_objects
 
 from ._datasets import Augmented
-from ._iterable_datasets import IteratorStateStream, PlainStream
+from ._iterable_datasets import IteratorStateStream, PairStateStream, PlainStream
 from ._object_datasets import OwnGenerators, TorchShuffled, reseed_own
 from ._streams import assert_same_stream, cut_state, generator, through_bytes
 
@@ -107,6 +107,7 @@ CONFIGS: dict[str, tuple[Callable[[], snaploader.DataLoader], int, int]] = {
     "map-w2-persistent": (_map_loader(2, persistent=True), 1, 3),
     "iter-protocol-w2": (_iter_loader(IteratorStateStream, 2), 0, 3),
     "iter-plain-w0": (_iter_loader(PlainStream, 0), 0, 3),
+    "iter-pair-w2": (_iter_loader(PairStateStream, 2), 0, 3),  # data_owner "both"
     "map-objects-w2": (_objects_loader, 0, 2),
     "map-skip-w2": (_map_loader(2), 0, 1),
     "map-unordered-w2": (_unordered_loader, 0, 2),

@@ -16,6 +16,7 @@ from torch.utils.data import IterableDataset
 
 from snaploader import DataLoader
 
+from ._iterable_datasets import PairStateStream
 from ._support import assert_same_stream, generator, take, through_bytes
 
 _TOPOLOGIES = [(0, False), (2, False), (2, True)]
@@ -95,54 +96,10 @@ def test_a_load_before_the_first_next_goes_on_in_that_iterator(workers: int) -> 
     assert_same_stream(list(loader), expected[2:])
 
 
-class _Pass:
-    """An iterator with its own state: its position in the dataset's current shard."""
-
-    def __init__(self, dataset: Shards) -> None:
-        self.dataset, self.pos = dataset, 0
-
-    def __iter__(self) -> _Pass:
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        items = self.dataset.shard()
-        if self.pos >= len(items):
-            self.dataset.passes += 1  # this pass is over: the next iter() reads the next shard
-            raise StopIteration
-        self.pos += 1
-        return torch.tensor([float(items[self.pos - 1]), torch.rand(()).item()])
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pos = state["pos"]
-
-
-class Shards(IterableDataset[torch.Tensor]):
-    """torchdata's pair: the dataset's state (which pass it is on, read by __iter__) and
-    its iterator's (where the pass stands), loaded before and after iter(dataset)."""
-
-    def __init__(self) -> None:
-        self.passes = 0
-
-    def shard(self) -> list[int]:
-        return [10 * self.passes + i for i in range(7)]
-
-    def __iter__(self) -> _Pass:
-        return _Pass(self)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"passes": self.passes}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.passes = state["passes"]
-
-
 @pytest.mark.parametrize(("workers", "persistent"), _TOPOLOGIES)
 def test_a_dataset_and_its_iterator_both_with_a_state_resume_in_torchdata_s_order(workers: int, persistent: bool) -> None:
     def make() -> DataLoader:
-        return DataLoader(Shards(), batch_size=2, num_workers=workers, persistent_workers=persistent, generator=generator(2))
+        return DataLoader(PairStateStream(), batch_size=2, num_workers=workers, persistent_workers=persistent, generator=generator(2))
 
     expected = _epochs(make(), 3)
     saved = make()
