@@ -22,9 +22,9 @@ from ._state.options import Options
 from ._state.ledger import EpochProgress, EpochStart
 from ._state.replay import announce_replay
 from ._state.published import Publisher
-from ._rng.objects import RngCensus, discover
-from ._rng.kinds import KINDS
+from ._rng.objects import RngCensus, described, discover
 from ._epoch.plan import stateful_part
+from ._epoch import sampler_rngs
 from ._epoch.resize import part_batches, resized
 from ._state.records import check_own_states, has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
@@ -244,11 +244,14 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     def __iter__(self) -> SnapIterator:  # type: ignore[override]
         self._warn_pin_memory()
+        return self._begin(self._persistent_iter)
+
+    def _begin(self, reuse: SnapIterator | None) -> SnapIterator:
+        """The next epoch, in ``reuse`` (persistent, or not yet next()ed) or a new iterator."""
         start = self._next_start()
         settings = self._settings()
         # NOTE [ epoch start ] in _state/published.py
         with self._published.starting(RngSource(self.generator).next_epoch_state) as publish:
-            reuse = self._persistent_iter
             if reuse is not None and not reuse.closed:
                 reuse.start_epoch(start, settings)
                 iterator = reuse
@@ -256,9 +259,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 if self.num_workers > 0:
                     self.check_worker_number_rationality()
                 iterator = SnapIterator(settings, start)
-                if self.persistent_workers:
-                    self._persistent_iter = iterator
-                self._iterators.add(iterator)
+            if self.persistent_workers:
+                self._persistent_iter = iterator
+            self._iterators.add(iterator)
             publish(iterator.progress)
         return iterator
 
@@ -309,15 +312,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         Once a batch has been produced, this is what the workers found (including
         generators made by ``worker_init_fn`` and ``rng_objects``). Before that, it is
         what a search of this process's dataset, ``collate_fn`` and ``worker_init_fn``
-        finds, without running them; iterators' generators show up only from workers.
-        """
-        captured = self._rng_census.captured()
-        if captured:
-            return captured
-        roots = [("dataset", self.dataset), ("collate_fn", self.collate_fn),
-                 ("worker_init_fn", self.worker_init_fn)]
-        found, _ = discover(roots, self.exclude_rngs)
-        return [(entry.path, KINDS[entry.code].name) for entry in found]
+        finds, without running them; iterators' generators show up only from workers;
+        then those the sampler and batch sampler hold (``sampler.``, ``batch_sampler.``)."""
+        roots = [("dataset", self.dataset), ("collate_fn", self.collate_fn), ("worker_init_fn", self.worker_init_fn)]
+        held = [] if self._iterable else sampler_rngs.find(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self.exclude_rngs).kinds()
+        return (self._rng_census.captured() or described(discover(roots, self.exclude_rngs)[0])) + held
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -399,10 +398,14 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 restore.ledgers, self.dataset, self.replay, state_protocol=self.state_protocol,
                 lossy=self._lossy_protocol, warn=False,
             )
-        # An iterator that went on would yield the old stream while state_dict()
-        # reports the loaded one: each one raises at its next next() instead.
+        if not self._iterable and not {"sampler", "batch_sampler"} & allowed:  # its own generators (_epoch/sampler_rngs.py)
+            sampler_rngs.restore(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self.exclude_rngs, restore.checkpoint.sampler_rngs)
+        # An iterator that went on would yield the old stream while state_dict() reports
+        # the loaded one: it raises instead (NOTE [ a load before the first next() ], design.md).
+        untouched = next((it for it in self._iterators if not it.taken and not it.closed), None)
         for iterator in list(self._iterators):
-            iterator.invalidate()
+            if iterator is not untouched:
+                iterator.invalidate()
         self._iterators.clear()
         self._persistent_iter = None
         if restore.sampler_state is not None:
@@ -415,3 +418,5 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         # not here under the training loop's RNGs, where an abandoned iterator could move it.
         self._pending = replace(restore.start, dataset_state=restore.dataset_state)
         self._published.load(copy_state(state))
+        if untouched is not None:
+            self._begin(untouched)

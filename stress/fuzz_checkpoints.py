@@ -2,7 +2,8 @@
 """Fuzz loader checkpoints: mutate real states one field at a time and load each
 mutant into a fresh loader, for every configuration of ``tests/_fuzz.py`` (map-style
 and iterable, with and without the state protocol, W=0 and W=2, persistent workers,
-generator objects, a pending skip, in_order=False, a DistributedSampler), and the
+generator objects, a pending skip, in_order=False, a DistributedSampler, a sampler
+holding its own generator, seed_per_sample in a later epoch), and the
 states ``snaploader.distributed.reshard`` takes (4 ranks onto 3: the old ranks', and a
 ReshardedLoader's during the re-partitioned epoch). A fourth of
 the mutants edit a byte of a decoded blob (an RNG state's flags and twist codes, a

@@ -29,8 +29,8 @@ from snaploader._rng import twist
 from snaploader._rng.kinds import parse as parse_objects
 
 from ._datasets import Augmented
-from ._iterable_datasets import IteratorStateStream, PlainStream
-from ._object_datasets import OwnGenerators, reseed_own
+from ._iterable_datasets import IteratorStateStream, PairStateStream, PlainStream
+from ._object_datasets import OwnGenerators, TorchShuffled, reseed_own
 from ._streams import assert_same_stream, cut_state, generator, through_bytes
 
 CLEAR = (snaploader.CheckpointFormatError, snaploader.CheckpointMismatchError)
@@ -79,6 +79,18 @@ def _distributed_loader() -> snaploader.DataLoader:
     return snaploader.DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, generator=generator(5), timeout=60)
 
 
+def _sampler_rngs_loader() -> snaploader.DataLoader:
+    # a sampler shuffling with its own generator: the top-level "sampler_rngs" blob
+    return snaploader.DataLoader(
+        Augmented(14), batch_size=3, sampler=TorchShuffled(14), num_workers=2, generator=generator(5), timeout=60,
+    )
+
+
+def _per_sample_loader() -> snaploader.DataLoader:
+    # seed_per_sample, cut in the second epoch: "sample_root" is not the epoch's base seed
+    return snaploader.DataLoader(Augmented(14), batch_size=3, shuffle=True, generator=generator(5), seed_per_sample=True)
+
+
 def _iter_loader(cls: type, workers: int) -> Callable[[], snaploader.DataLoader]:
     def make() -> snaploader.DataLoader:
         return snaploader.DataLoader(
@@ -95,10 +107,13 @@ CONFIGS: dict[str, tuple[Callable[[], snaploader.DataLoader], int, int]] = {
     "map-w2-persistent": (_map_loader(2, persistent=True), 1, 3),
     "iter-protocol-w2": (_iter_loader(IteratorStateStream, 2), 0, 3),
     "iter-plain-w0": (_iter_loader(PlainStream, 0), 0, 3),
+    "iter-pair-w2": (_iter_loader(PairStateStream, 2), 0, 3),  # data_owner "both"
     "map-objects-w2": (_objects_loader, 0, 2),
     "map-skip-w2": (_map_loader(2), 0, 1),
     "map-unordered-w2": (_unordered_loader, 0, 2),
     "map-distributed-w2": (_distributed_loader, 0, 1),
+    "map-sampler-rngs-w2": (_sampler_rngs_loader, 1, 2),
+    "map-per-sample-w0": (_per_sample_loader, 1, 2),
 }
 # Configurations whose state holds a pending skip: loaded with load_state_dict(skip=N)
 # and taken again before iter() (what state_dict() returns meanwhile).
@@ -209,6 +224,8 @@ def mutate_decoded(state: dict[str, Any], rng: random.Random) -> tuple[dict[str,
     mutant = copy.deepcopy(state)
     choices = [(path, field) for path in _snapshots(mutant) for field in ("rng", "objects")
                if isinstance(_at(mutant, path).get(field), str)]
+    if isinstance(mutant.get("sampler_rngs"), str):  # encoded as a snapshot's objects
+        choices.append(((), "sampler_rngs"))
     path, field = rng.choice(choices)
     snapshot = _at(mutant, path)
     blob = bytearray(base64.b64decode(snapshot[field]))
@@ -280,7 +297,8 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
         "data" in path or path[:2] == ("sampler_state", "state") or path == ("workers",)
         or path[-1:] in (("skip",), ("sampler_epoch",))
     )
-    rng_words = path[-1] in ("rng", "rng_start", "rng_next") or _object_states_only(old_value, parent.get(key) if isinstance(parent, dict) else None)
+    # The per-sample root is a seed as rng_start is a state: any base seed is one.
+    rng_words = path[-1] in ("rng", "rng_start", "rng_next", "sample_root") or _object_states_only(old_value, parent.get(key) if isinstance(parent, dict) else None)
     signable = not users and not rng_words
     if signable and rng.random() < 0.5 and "digest" in mutant and isinstance(mutant.get("workers"), list):
         try:
@@ -326,7 +344,7 @@ def assert_resumes(case: Case, got: list[list[Any]]) -> None:
 def check_one(case: Case, rng: random.Random) -> tuple[str, str]:
     """(outcome, what was done, with " (re-signed)" when it was) of one mutant: a field
     edit, or one fourth of the time an edit inside a decoded blob."""
-    if _snapshots(case.state) and rng.random() < 0.25:
+    if (_snapshots(case.state) or "sampler_rngs" in case.state) and rng.random() < 0.25:
         mutant, what, _ = mutate_decoded(case.state, rng)
     else:
         mutant, what, _ = mutate(case.state, rng)

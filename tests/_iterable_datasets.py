@@ -278,3 +278,47 @@ class ShuffleBufferStream(IterableDataset[torch.Tensor]):
 
     def __iter__(self) -> _ShuffleBufferIterator:
         return _ShuffleBufferIterator(shard(self.n, self.sizes), self.buffer_size, self.as_tensor)
+
+
+class _PairIterator:
+    """An iterator with its own state: its position in the dataset's current shard."""
+
+    def __init__(self, dataset: PairStateStream) -> None:
+        self.dataset, self.pos = dataset, 0
+
+    def __iter__(self) -> _PairIterator:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        items = self.dataset.shard()
+        if self.pos >= len(items):
+            self.dataset.passes += 1  # this pass is over: the next iter() reads the next shard
+            raise StopIteration
+        self.pos += 1
+        return torch.tensor([float(items[self.pos - 1]), torch.rand(()).item()])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+class PairStateStream(IterableDataset[torch.Tensor]):
+    """torchdata's pair: the dataset's state (which pass it is on, read by __iter__) and
+    its iterator's (where the pass stands), loaded before and after iter(dataset)."""
+
+    def __init__(self, n: int = 7) -> None:
+        self.n, self.passes = n, 0
+
+    def shard(self) -> list[int]:
+        return [100 * self.passes + i for i in range(self.n)]
+
+    def __iter__(self) -> _PairIterator:
+        return _PairIterator(self)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.passes = state["passes"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 
 class OwnGenerators(Dataset[torch.Tensor]):
@@ -132,3 +132,17 @@ class Albumented(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.from_numpy(self.transform(image=self.images[i])["image"].copy())
+
+
+class TorchShuffled(Sampler[int]):
+    """Shuffles with a torch.Generator of its own, as bucketing samplers do."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.g = torch.Generator().manual_seed(5)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.n, generator=self.g).tolist())
+
+    def __len__(self) -> int:
+        return self.n

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 import snaploader
 from snaploader import DataLoader
+from snaploader._rng.per_sample import epoch_seed
 
 from . import _iterable_datasets as ids
 from ._datasets import Augmented
@@ -187,3 +188,79 @@ def test_an_iterable_resumes_exactly_with_the_option() -> None:
     resumed = make(0)
     resumed.load_state_dict(state)
     assert_same_stream(before + list(resumed), expected)
+
+
+def _epochs_by_index(loader: DataLoader, count: int) -> list[dict[int, torch.Tensor]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the 2-core worker-count warning
+        return [_by_index(list(loader)) for _ in range(count)]
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(2, False), (2, True), (3, True)])
+def test_every_epoch_draws_alike_whatever_persistent_workers(workers: int, persistent: bool) -> None:
+    # Per-sample values are a function of (seed, epoch, index): persistent workers (one
+    # base seed for the run) draw what a fresh iterator each epoch draws (issue 32, item 9).
+    expected = _epochs_by_index(_loader(num_workers=0), 3)
+    loader = _loader(num_workers=workers, persistent_workers=persistent)
+    assert loader.num_workers == workers and loader.persistent_workers is persistent
+    got = _epochs_by_index(loader, 3)
+    for epoch, (mine, theirs) in enumerate(zip(got, expected)):
+        assert sorted(mine) == sorted(theirs), f"epoch {epoch}: other samples"
+        for index in theirs:
+            assert torch.equal(mine[index][1:], theirs[index][1:]), f"epoch {epoch}, sample {index} differs"
+    assert not any(torch.equal(got[0][i][1:], got[1][i][1:]) for i in got[0]), "epoch 1 repeats epoch 0"
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_resume_in_a_later_epoch_keeps_the_run_s_samples(workers: int, persistent: bool) -> None:
+    # The root of the run's per-sample seeds travels in the checkpoint: a resume in
+    # epoch 2 (and the epoch after it) draws every sample as the uninterrupted run.
+    def make() -> DataLoader:
+        return _loader(num_workers=workers, persistent_workers=persistent)
+
+    expected = _epochs_by_index(make(), 4)
+    saved = make()
+    assert saved.num_workers == workers and saved.persistent_workers is persistent
+    _epochs_by_index(saved, 2)
+    iterator = iter(saved)
+    before = take(iterator, 2)
+    state = through_bytes(saved.state_dict())
+    del iterator
+    assert state["sample_root"] == _root_of(make())
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = _epochs_by_index(resumed, 2)
+    got[0].update(_by_index(before))
+    for epoch, mine in zip((2, 3), got):
+        for index, row in expected[epoch].items():
+            assert torch.equal(mine[index][1:], row[1:]), f"epoch {epoch}, sample {index} differs"
+
+
+def _root_of(loader: DataLoader) -> int:
+    iterator = iter(loader)
+    next(iterator)
+    root = loader.state_dict()["base_seed"]
+    del iterator
+    return int(root)
+
+
+def test_a_checkpoint_without_a_root_resumes_its_epoch_with_that_epoch_s_seed() -> None:
+    # Written before the root was recorded: the epoch's base seed is its root, the
+    # seed that epoch drew its samples with then.
+    saved = _loader(num_workers=0)
+    list(saved)
+    iterator = iter(saved)
+    take(iterator, 2)
+    state = saved.state_dict()
+    del iterator
+    assert state["sample_root"] != state["base_seed"]
+    legacy = dict(state)
+    del legacy["sample_root"]
+    resumed = _loader(num_workers=0)
+    resumed.load_state_dict(snaploader._format.checkpoint.resign(legacy))
+    got = _by_index(list(resumed))
+    old_rule = _loader(num_workers=0)
+    old_rule._draw_with_sample_seed(sample_seed=epoch_seed(state["base_seed"], 1))
+    expected = _by_index(list(old_rule))
+    for index, row in got.items():
+        assert torch.equal(row[1:], expected[index][1:]), f"sample {index} differs"

@@ -43,13 +43,13 @@ from .._state.ledger import (
 )
 from .dispatch import MapDispatch, by_position, pick, round_robin
 from .plan import IndexPlan, epoch_aware_part
+from . import sampler_rngs
 from .._state.replay import announce_replay
 from .._workers.datapipe import SharedSeeds, world
 from .._workers.messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._workers.pinning import PinningRunner
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
-from .._rng.per_sample import epoch_seed
 from .._workers.runner import Runner, RunnerClosed
 from .._workers.runtime import load_carried_state
 from .._workers.selfcheck import check_restored_batch
@@ -93,6 +93,7 @@ class SnapIterator:
         if settings is not None:
             self.settings = settings
         settings = self.settings
+        self.taken = False  # next() called this epoch (docs/design.md, a load before the first next())
         self.as_ready = not settings.in_order and settings.num_workers > 0
         index_sampler = settings.index_sampler if start.index_sampler is None else start.index_sampler
         sampler_with_epoch = None if settings.iterable else epoch_aware_part(index_sampler)
@@ -128,6 +129,7 @@ class SnapIterator:
                         f"{start.base_seed}; the checkpoint was edited or is corrupt"
                     )
             self.shared_seeds.after_base_seed(source, logical, start.draw_base_seed)
+            root = base_seed if start.sample_root is None else start.sample_root
             self.progress = EpochProgress(
                 epoch=start.epoch,
                 rng_start=rng_start,
@@ -139,7 +141,8 @@ class SnapIterator:
                 logical=logical,
                 in_order=start.in_order and not self.as_ready,
                 shared_seed=shared_seed,
-                sample_seed=self._sample_seed(base_seed, start.epoch),
+                sample_seed=settings.sample_seed_for(root, start.epoch),
+                sample_root=None if not settings.options.seed_per_sample else root,
                 item_offset=start.item_offset,
                 epoch_length=start.epoch_length,
             )
@@ -149,6 +152,7 @@ class SnapIterator:
             # do not each inherit a copy of the epoch's index list.
             plan, self.mapping = None, None
             if not settings.iterable:
+                sampler_rngs.begin(self.progress, index_sampler, settings.auto_collation, (settings.dataset, settings.generator), settings.options.exclude_rngs)
                 start_at = self.progress.plan_skip
                 plan = IndexPlan(
                     index_sampler, start_at, start.sampler_state, state_at=at_start, item_offset=start.item_offset
@@ -161,12 +165,6 @@ class SnapIterator:
         if expected is not None and settings.options.check_resume:
             self.progress.expected_digests = list(expected)
         self._dispatch()
-
-    def _sample_seed(self, base_seed: int, epoch: int) -> int | None:
-        settings = self.settings
-        if not settings.options.seed_per_sample:
-            return None
-        return epoch_seed(base_seed, epoch) if settings.sample_seed is None else settings.sample_seed
 
     def _ready_workers(self, base_seed: int) -> None:
         """Start the workers (or reuse persistent ones) and position each for the epoch."""
@@ -260,6 +258,7 @@ class SnapIterator:
     def __next__(self) -> Any:
         if self.invalidated:
             raise RuntimeError(_INVALIDATED)
+        self.taken = True
         if self.closed or self.progress.ended:
             raise StopIteration
         try:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._rng.objects import RngCensus
+from .._rng.per_sample import epoch_seed
 from .._state.options import Options
 
 
@@ -40,6 +41,13 @@ class LoaderSettings:
     lossy_protocol: str | None = None  # why state_protocol was turned off for this dataset
     in_order: bool = True  # False: yield each worker's batches as they come (_epoch/dispatch.py)
     sample_seed: int | None = None  # the per-sample seed to use instead of the epoch's own
+
+    def sample_seed_for(self, root: int, epoch: int) -> int | None:
+        """seed_per_sample: the epoch's sample seed (NOTE [ per-sample root ] in
+        _rng/per_sample.py); None when the option is off."""
+        if not self.options.seed_per_sample:
+            return None
+        return epoch_seed(root, epoch) if self.sample_seed is None else self.sample_seed
 
     @property
     def prefetch(self) -> int:

@@ -180,6 +180,9 @@ def _epoch_fields(progress: EpochProgress) -> tuple[dict[str, Any], dict[str, st
         fields["item_offset"] = progress.item_offset
     if progress.epoch_length is not None:
         fields["epoch_length"] = progress.epoch_length
+    # Written only with seed_per_sample (NOTE [ per-sample root ] in _rng/per_sample.py).
+    if progress.sample_root is not None:
+        fields["sample_root"] = progress.sample_root
     made = (fields, _pieces(fields))
     progress.cache["fields"] = made
     return made
@@ -276,6 +279,10 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         next_digests = progress.next_digests()
     rng_next = seen.rng_next
     state["rng_next"] = _plain.b64(rng_next) if state["ended"] and rng_next is not None else None
+    # The sampler's generators (_epoch/sampler_rngs.py): written only when it holds one.
+    sampler_rngs = None if progress is None else progress.sampler_rngs_next if state["ended"] else progress.sampler_rngs
+    if sampler_rngs is not None:
+        state["sampler_rngs"] = _plain.b64(sampler_rngs)
     state["next_batches"] = [None if entry is None else {"produced": entry[0], "digest": entry[1]} for entry in next_digests]
     # The digest (checkpoint.digest_of), from pieces: the fixed ones as made, the rest now.
     pieces = {
@@ -283,6 +290,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         **_constant_pieces(source.kind),
         "fingerprint": _fingerprint_piece(values),
         **_pieces({key: state[key] for key in _PER_CALL}),
+        **({} if sampler_rngs is None else {"sampler_rngs": blob_piece(state["sampler_rngs"])}),
         "next_batches": _next_batches_piece(next_digests),
         "workers": "[" + ",".join(['"' + digest + '"' for _, digest in ledgers]) + "]",
     }

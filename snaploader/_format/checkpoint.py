@@ -69,6 +69,8 @@ TOP_FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "in_order": (bool,),
     "item_offset": (int,),
     "epoch_length": _OPTIONAL_INT,
+    "sample_root": _OPTIONAL_INT,
+    "sampler_rngs": _OPTIONAL_STR,
     "next_batches": (list,),
     "workers": (list,),
 }
@@ -102,6 +104,7 @@ FINGERPRINT_FIELDS: Final[dict[str, tuple[type, ...]]] = {
 # Fields added to a version after it was first written: their absence means this.
 ADDED_TOP: Final[dict[str, Any]] = {
     "skip": 0, "in_order": True, "shared_seed": None, "item_offset": 0, "epoch_length": None,
+    "sample_root": None, "sampler_rngs": None,
 }
 ADDED_LEDGER: Final[dict[str, Any]] = {"skipped": 0}
 
@@ -167,6 +170,13 @@ class Checkpoint:
     # the fingerprint's).
     item_offset: int
     epoch_length: int | None
+    # seed_per_sample: the run's per-sample root (NOTE [ per-sample root ] in
+    # _rng/per_sample.py); None: the epoch's base seed is (older files, option off).
+    sample_root: int | None
+    # The generator objects the sampler and batch sampler hold (_epoch/sampler_rngs.py),
+    # encoded as a snapshot's objects: as of the epoch start (mid-epoch), or for the next
+    # epoch (ended); None: they hold none, or the file predates them.
+    sampler_rngs: bytes | None
     next_batches: tuple[NextBatch | None, ...]
     workers: tuple[WorkerLedger, ...]
 

@@ -49,6 +49,14 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    when not 0 (absent: 0)
     epoch_length   the dataset length the epoch runs over when a resume changed it
                    (_epoch/resize.py); written only then (absent: the fingerprint's)
+    sample_root    seed_per_sample: the run's per-sample root, the base seed of the
+                   loader's first epoch (NOTE [ per-sample root ] in
+                   _rng/per_sample.py); written only with the option (absent: the
+                   epoch's base seed is the root)
+    sampler_rngs   base64 of the states of the generator objects the sampler and batch
+                   sampler hold (encoded as a snapshot's objects, _rng/kinds.py): at the
+                   epoch start, or for the next epoch when ``ended``
+                   (_epoch/sampler_rngs.py); written only when they hold one (absent: None)
     next_batches   per worker, {produced, digest} of its next batch when it had already
                    arrived (the resume self-check, _workers/selfcheck.py), or None
     workers        one ledger per logical worker (see _state/ledger.py):
@@ -58,7 +66,9 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    over since its last snapshot; absent in older files: 0), each snapshot
                    {rng (base64 of the raw states, _rng/capture.py; older files may hold
                    twist codes, _rng/twist.py), produced, data,
-                   data_owner, complete, exhausted,
+                   data_owner ("dataset", "iterator", or "both", torchdata's pair
+                   of an iterable whose iterator is not the dataset: then data is
+                   {"dataset": ..., "iterator": ...}; or None), complete, exhausted,
                    objects (base64 of the generator objects' states, _rng/kinds.py, or
                    None)};
                    yielded_complete is "same as yielded" when it is; epoch_start is
@@ -88,9 +98,9 @@ def _carried_dataset_state(ledgers: list[WorkerLedger], logical: int) -> Any:
     if logical != 0 or not ledgers:
         return None
     last = ledgers[0].yielded or ledgers[0].epoch_start
-    if last is None or last.data_owner != "dataset" or not last.complete:
+    if last is None or last.data_owner not in ("dataset", "both") or not last.complete:
         return None
-    return last.data
+    return last.data["dataset"] if last.data_owner == "both" else last.data
 
 
 def _expanded(checkpoint: Checkpoint) -> list[WorkerLedger]:
@@ -175,9 +185,10 @@ def read_state(
                 workers=[ledger.next_epoch() for ledger in ledgers],
                 skip=checkpoint.skip,
                 logical=logical,
+                sample_root=checkpoint.sample_root,
             )
         else:
-            start = EpochStart(epoch=checkpoint.epoch + 1, skip=checkpoint.skip)
+            start = EpochStart(epoch=checkpoint.epoch + 1, skip=checkpoint.skip, sample_root=checkpoint.sample_root)
         dataset_state = _carried_dataset_state(ledgers, logical)
         return Restore(checkpoint, start, ledgers, sampler_state, checkpoint.rng_next, dataset_state)
     expected = [None if e is None else (e.produced, e.digest) for e in checkpoint.next_batches]
@@ -198,5 +209,6 @@ def read_state(
         in_order=checkpoint.in_order,
         item_offset=checkpoint.item_offset,
         epoch_length=checkpoint.epoch_length,
+        sample_root=checkpoint.sample_root,
     )
     return Restore(checkpoint, start, ledgers, None, None)

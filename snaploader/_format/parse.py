@@ -46,7 +46,7 @@ from .._rng.twist import LOAD_TWISTS, code_twists
 from .._state.ledger import WorkerLedger
 from .._state.records import Snapshot
 
-_OWNERS: Final = (None, "dataset", "iterator")
+_OWNERS: Final = (None, "dataset", "iterator", "both")
 
 # torchdata's StatefulDataLoader.state_dict() keys (single- and multi-process iterators).
 _TORCHDATA_KEYS: Final = frozenset({
@@ -162,6 +162,10 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
         _at_least("loader state['sampler_epoch']", top["sampler_epoch"], 0)
     if top["shared_seed"] is not None and top["shared_seed"] not in _SEED_RANGE:
         raise _fail("loader state['shared_seed']", f"is {top['shared_seed']}; expected an int in [-2**63, 2**63)")
+    sample_root = top["sample_root"]
+    if sample_root is not None and not (epoch >= 0 and 0 <= sample_root < 2**63):
+        raise _fail("loader state['sample_root']", f"is {sample_root}; expected None, or a base seed in [0, 2**63) in an epoch that started")
+    sampler_rngs = None if top["sampler_rngs"] is None else _objects_blob("loader state['sampler_rngs']", top["sampler_rngs"])
     if epoch == -1 and top["shared_seed"] is not None:
         raise _fail("loader state['shared_seed']", "is set, but the state describes no epoch (epoch -1)")
     if epoch == -1:
@@ -208,6 +212,8 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
         in_order=top["in_order"],
         item_offset=top["item_offset"],
         epoch_length=top["epoch_length"],
+        sample_root=sample_root,
+        sampler_rngs=sampler_rngs,
         next_batches=next_batches,
         workers=workers,
     )
@@ -281,6 +287,15 @@ def _unb64(where: str, text: str) -> bytes:
         raise _fail(where, "is not valid base64") from None
 
 
+def _objects_blob(where: str, text: str) -> bytes:
+    blob = _unb64(where, text)
+    try:
+        check_objects(blob)
+    except ValueError as exc:
+        raise _fail(where, f"is not a generator-object state snaploader wrote: {exc}") from None
+    return blob
+
+
 def _generator_state(where: str, text: str) -> bytes:
     state = _unb64(where, text)
     try:
@@ -325,17 +340,14 @@ def _snapshot(where: str, value: dict[str, Any]) -> Snapshot:
         check_rng(rng, seeded=True)
     except ValueError as exc:
         raise _fail(f"{where}['rng']", f"is not an RNG state snaploader wrote: {exc}") from None
-    objects = None
-    if value["objects"] is not None:
-        objects = _unb64(f"{where}['objects']", value["objects"])
-        try:
-            check_objects(objects)
-        except ValueError as exc:
-            raise _fail(f"{where}['objects']", f"is not a generator-object state snaploader wrote: {exc}") from None
+    objects = None if value["objects"] is None else _objects_blob(f"{where}['objects']", value["objects"])
+    data = _decoded(f"{where}['data']", value["data"])
+    if owner == "both" and data is not None and not (isinstance(data, dict) and set(data) == {"dataset", "iterator"}):
+        raise _fail(f"{where}['data']", "should be {'dataset': ..., 'iterator': ...} for data_owner 'both'")
     return Snapshot(
         rng=rng,
         produced=_at_least(f"{where}['produced']", value["produced"], 0),
-        data=_decoded(f"{where}['data']", value["data"]),
+        data=data,
         data_owner=owner,
         complete=value["complete"],
         exhausted=value["exhausted"],

@@ -103,8 +103,8 @@ def _check_snapshot(where: str, snapshot: Snapshot, facts: LoaderFacts) -> None:
                 f"{expected_owner!r}, True, False)",
             )
         return
-    if owner == "dataset" and not facts.dataset_has_protocol:
-        raise _fail(f"{where}['data_owner']", "is 'dataset', but this dataset has no state_dict()/load_state_dict()")
+    if owner in ("dataset", "both") and not facts.dataset_has_protocol:
+        raise _fail(f"{where}['data_owner']", f"is {owner!r}, but this dataset has no state_dict()/load_state_dict()")
     if owner is None and facts.dataset_has_protocol:
         raise _fail(
             f"{where}['data_owner']",

@@ -1,7 +1,8 @@
 """Generator objects held by a worker's code: found by a bounded walk, snapshotted with
 the global RNGs, restored by path.
 
-A dataset, its transforms, ``collate_fn`` and ``worker_init_fn`` may hold their own
+A dataset, its transforms, ``collate_fn`` and ``worker_init_fn`` (and, searched in the
+main process, the sampler: ``_epoch/sampler_rngs.py``) may hold their own
 generators (``np.random.default_rng``, ``random.Random``, ``torch.Generator``,
 albumentations' per-transform generators). A worker walks that object graph once when
 it starts (after ``worker_init_fn``, which may create some) and again at every
@@ -140,15 +141,17 @@ class Found:
 
 
 def discover(
-    roots: list[tuple[str, Any]], exclude: Exclude, alike: frozenset[int] = frozenset()
+    roots: list[tuple[str, Any]], exclude: Exclude, alike: frozenset[int] = frozenset(),
+    known: Iterable[Any] = (),
 ) -> tuple[list[Found], list[str]]:
     """The generators reachable from ``roots`` in depth-first order, and the problems
     met (uncapturable generators, the walk's bound). ``alike``: ids of generators that
     start alike in every worker on purpose (an IterDataPipe's shuffle, seeded from the
-    epoch's shared seed), never reported as started in the same state."""
+    epoch's shared seed), never reported as started in the same state. ``known``:
+    generators whose states the checkpoint carries otherwise (the loader's own), left out."""
     found: list[Found] = []
     problems: list[str] = []
-    seen: set[int] = set()
+    seen: set[int] = {id(obj) for obj in known}
     stack = list(reversed(roots))
     visits = 0
     while stack:
@@ -193,6 +196,11 @@ def discover(
     return found, problems
 
 
+def described(found: list[Found]) -> list[tuple[str, str]]:
+    """(path, kind) of each generator found, as ``DataLoader.captured_rngs()`` lists them."""
+    return [(entry.path, KINDS[entry.code].name) for entry in found]
+
+
 def _short_hash(state: bytes) -> bytes:
     return hashlib.blake2b(state, digest_size=8).digest()
 
@@ -209,17 +217,21 @@ class ObjectRngs:
         self.initial = [_short_hash(state) for state in self.last]
         self.moved = [entry.alike for entry in found]  # an alike one is never reported as moved
         self.blob = encode_entries(self.headers, self.last) if found else None
-        found_kinds = tuple((path, KINDS[code].name) for path, code in zip(self.paths, self.codes))
-        self.report: RngReport | None = RngReport(found_kinds, (), tuple(problems))
+        self.report: RngReport | None = RngReport(tuple(self.kinds()), (), tuple(problems))
 
     @staticmethod
     def find(
-        roots: list[tuple[str, Any]], extra: ExtraRngs, exclude: Exclude, alike: frozenset[int] = frozenset()
+        roots: list[tuple[str, Any]], extra: ExtraRngs, exclude: Exclude, alike: frozenset[int] = frozenset(),
+        known: Iterable[Any] = (),
     ) -> ObjectRngs:
         roots = list(roots)
         if extra is not None:
             roots.append(("rng_objects()", extra()))
-        return ObjectRngs(*discover(roots, exclude, alike))
+        return ObjectRngs(*discover(roots, exclude, alike, known))
+
+    def kinds(self) -> list[tuple[str, str]]:
+        """(path, kind) of each generator captured."""
+        return [(path, KINDS[code].name) for path, code in zip(self.paths, self.codes)]
 
     def read_all(self) -> list[bytes]:
         return [access.read() for access in self.access]
@@ -250,9 +262,10 @@ class ObjectRngs:
         self.report = None
         return self.blob, report
 
-    def restore(self, blob: bytes | None, worker_id: int, skip_iterator: bool = False) -> None:
+    def restore(self, blob: bytes | None, worker_id: int | str, skip_iterator: bool = False) -> None:
         """Write the states of ``blob`` into the objects found at the same paths;
-        :class:`CheckpointFormatError` naming the first path that differs."""
+        :class:`CheckpointFormatError` naming the first path that differs. ``worker_id``:
+        the worker's index, or who else holds the objects ("the sampler")."""
 
         def keep(path: str) -> bool:
             return not (skip_iterator and path.startswith("iterator"))
@@ -262,7 +275,7 @@ class ObjectRngs:
                 # A worker that holds generators writes their states into every
                 # snapshot: one without them was edited, or comes from other code.
                 raise CheckpointFormatError(
-                    f"the checkpoint holds no generator-object states for worker {worker_id}, "
+                    f"the checkpoint holds no generator-object states for {_who(worker_id)}, "
                     f"but its code holds generators ({', '.join(p for p in self.paths if keep(p))}); "
                     "load the checkpoint taken with this dataset and code"
                 )
@@ -272,7 +285,7 @@ class ObjectRngs:
             # was made by this worker's code: split, not checked again.
             records = parse(blob, check=False)
         except ValueError as exc:
-            raise CheckpointFormatError(f"the generator-object states for worker {worker_id}: {exc}") from None
+            raise CheckpointFormatError(f"the generator-object states for {_who(worker_id)}: {exc}") from None
 
         saved = [(path, code, state) for path, code, state in records if keep(path)]
         mine = [(i, path, code) for i, (path, code) in enumerate(zip(self.paths, self.codes)) if keep(path)]
@@ -289,13 +302,18 @@ def _describe(entry: tuple[str, int] | None) -> str:
     return "nothing more" if entry is None else f"a {KINDS[entry[1]].name} at {entry[0]}"
 
 
-def _mismatch(worker_id: int, theirs: tuple[str, int] | None, ours: tuple[str, int] | None) -> str:
+def _who(worker_id: int | str) -> str:
+    return f"worker {worker_id}" if isinstance(worker_id, int) else worker_id
+
+
+def _mismatch(worker_id: int | str, theirs: tuple[str, int] | None, ours: tuple[str, int] | None) -> str:
     path = (theirs or ours or ("?", 0))[0]
+    holders = "The dataset, its transforms, collate_fn or worker_init_fn hold" if isinstance(worker_id, int) else "The sampler (or batch sampler) holds"
     return (
-        f"the checkpoint's generator objects for worker {worker_id} differ from this "
-        f"loader's at {path}: the checkpoint has {_describe(theirs)}, this worker found "
-        f"{_describe(ours)}. The dataset, its transforms, collate_fn or worker_init_fn "
-        "hold different generators than when the checkpoint was taken; build them the "
+        f"the checkpoint's generator objects for {_who(worker_id)} differ from this "
+        f"loader's at {path}: the checkpoint has {_describe(theirs)}, this loader found "
+        f"{_describe(ours)}. {holders} "
+        "different generators than when the checkpoint was taken; build them the "
         "same way (and with the same rng_objects/exclude_rngs) to resume"
     )
 

@@ -3,9 +3,18 @@ three global RNGs and every captured generator object are set to states derived 
 (the epoch's sample seed, the sample's key) alone, so what a sample draws does not depend
 on which worker reads it, in which batch, next to which others, or after a respawn.
 
-The epoch's sample seed is :func:`epoch_seed` of (the epoch's base seed, the epoch); a
+The epoch's sample seed is :func:`epoch_seed` of (the run's root, the epoch); a
 key is a map-style sample's dataset index, a batch's index for the draws ``collate_fn``
 makes, or (logical worker, item position) for an iterable's items (``Domain``).
+
+NOTE [ per-sample root ]
+The root is the base seed of the loader's first epoch, carried to every later epoch
+and through checkpoints (``sample_root``), not each epoch's own base seed: persistent
+workers draw a base seed once (as torch's do) and a fresh iterator every epoch, so
+only the first is common to both; with it, a sample's draws are a function of (the
+generator's state at the first epoch, the epoch, the key) whatever persistent_workers
+and num_workers. A checkpoint written before the root was recorded holds none: its
+epoch's base seed is taken as the root, which is the seed that epoch drew with.
 
 NOTE [ cheap per-sample states ]
 Seeding is what costs: ``random.seed(int)`` runs init_by_array (10-40 µs on the 2-core

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .._rng.objects import ObjectRngs
 from .records import Resume, Snapshot
 
 
@@ -183,9 +184,19 @@ class EpochProgress:
     # seed_per_sample: the seed every sample of the epoch derives its states from
     # (_rng/per_sample.py), sent with each task and resume; None when the option is off.
     sample_seed: int | None = None
+    # seed_per_sample: the run's per-sample root, the base seed of the loader's first
+    # epoch, carried from epoch to epoch and through checkpoints, so that the sample
+    # seed is epoch_seed(root, epoch) whatever persistent_workers (NOTE [ per-sample
+    # root ] in _rng/per_sample.py); None when the option is off.
+    sample_root: int | None = None
     # An epoch part resumed with another batch size or dataset length (EpochStart's).
     item_offset: int = 0
     epoch_length: int | None = None
+    # The generator objects the sampler holds (_epoch/sampler_rngs.py), and their
+    # encoded states at the epoch start and, once it ended, for the next epoch.
+    sampler_objects: ObjectRngs | None = field(default=None, repr=False)
+    sampler_rngs: bytes | None = field(default=None, repr=False)
+    sampler_rngs_next: bytes | None = field(default=None, repr=False)
     # first_due() of the position it was computed for (the position is immutable)
     _due: tuple[Position | None, int] = field(default=(None, 0), repr=False, compare=False)
     # The checkpoint's pieces that are fixed for the epoch, made once (_format/build.py).
@@ -282,6 +293,8 @@ class EpochProgress:
     def end(self) -> None:
         """Publish that the epoch is over."""
         # A skip never carries over into the next epoch (docs/api.md).
+        if self.sampler_objects is not None and self.sampler_objects.paths:
+            self.sampler_rngs_next = self.sampler_objects.snapshot()[0]
         self.position = replace(
             self.position, ended=True, sampler_state=self._sampler_state(self.first_due()), skip=0
         )
@@ -315,6 +328,9 @@ class EpochStart:
     item_offset: int = 0
     epoch_length: int | None = None
     index_sampler: Any = None
+    # seed_per_sample: the run's per-sample root (EpochProgress's); None: this epoch's
+    # base seed is the root (a loader's first epoch, or a checkpoint that holds none)
+    sample_root: int | None = None
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:
@@ -323,11 +339,12 @@ class EpochStart:
         persistent workers do, when the count is the same; otherwise the epoch begins
         as a new loader's would (docs/elastic.md)."""
         if not persistent or progress.logical != logical:
-            return EpochStart(epoch=progress.epoch + 1)
+            return EpochStart(epoch=progress.epoch + 1, sample_root=progress.sample_root)
         return EpochStart(
             epoch=progress.epoch + 1,
             base_seed=progress.base_seed,
             draw_base_seed=False,
             workers=[ledger.next_epoch() for ledger in progress.workers],
             logical=logical,
+            sample_root=progress.sample_root,
         )

@@ -177,15 +177,16 @@ class WorkerRuntime:
                 self._restore_rng(base.rng)
                 # the last epoch's iterator, and the generators it held, are gone
                 self._restore_objects(base.objects, skip_iterator=True)
-            if base.data_owner == "dataset" and base.complete:
+            # torchdata's order: the dataset's state before iter(dataset), the iterator's after
+            if base.data_owner in ("dataset", "both") and base.complete:
                 self.own_state_loaded = True
                 try:
-                    self.dataset.load_state_dict(self._copied(base.data))
+                    self.dataset.load_state_dict(self._copied(own_part(base, "dataset")))
                 except Exception as exc:
                     self.pending_error = WorkerError.capture(_blame_own_state(exc, self.dataset, "while its load_state_dict() restored"))
         self.produced = msg.base_produced
         if self.setup.iterable:
-            iterator_state = mid_epoch is not None and mid_epoch.data_owner == "iterator" and mid_epoch.complete
+            iterator_state = mid_epoch is not None and mid_epoch.data_owner in ("iterator", "both") and mid_epoch.complete
             try:
                 if msg.shared_seed is not None and is_iter_datapipe(self.dataset):
                     # every epoch, replayed or not, before the pipe's iterator is made
@@ -197,7 +198,7 @@ class WorkerRuntime:
             if iterator_state and mid_epoch is not None:
                 self.own_state_loaded = True
                 try:
-                    self.iterator.load_state_dict(self._copied(mid_epoch.data))  # type: ignore[union-attr]
+                    self.iterator.load_state_dict(self._copied(own_part(mid_epoch, "iterator")))  # type: ignore[union-attr]
                 except Exception as exc:
                     how = "while its iterator's load_state_dict() restored"
                     self.pending_error = self.pending_error or WorkerError.capture(_blame_own_state(exc, self.dataset, how))
@@ -351,7 +352,9 @@ class WorkerRuntime:
         if not setup.options.state_protocol:
             pass  # the user chose replay over the dataset's own protocol
         elif setup.iterable and has_state_protocol(self.iterator):
-            owner = "iterator"
+            # As torchdata's: the dataset's state too, unless the dataset is its own iterator
+            both = self.iterator is not self.dataset and has_state_protocol(self.dataset)
+            owner = "both" if both else "iterator"
         elif has_state_protocol(self.dataset):
             owner = "dataset"
         # A batch cut short by the end of the iterator is the worker's last: torch's
@@ -365,11 +368,14 @@ class WorkerRuntime:
                 return Snapshot(rng, self.produced, None, owner, False, exhausted, objects, report)
         if owner is None:
             return Snapshot(rng, self.produced, objects=objects, report=report)
-        source = self.iterator if owner == "iterator" else self.dataset
-        data = source.state_dict()  # type: ignore[union-attr]
+        parts = {"dataset": self.dataset, "iterator": self.iterator} if owner == "both" else {
+            owner: self.iterator if owner == "iterator" else self.dataset}
+        states = {part: source.state_dict() for part, source in parts.items()}  # type: ignore[union-attr]
         if not self.checked_plain:
-            check_plain(data, f"{type(source).__qualname__}.state_dict()")
+            for part, source in parts.items():
+                check_plain(states[part], f"{type(source).__qualname__}.state_dict()")
             self.checked_plain = True
+        data = states if owner == "both" else states[owner]
         return Snapshot(rng, self.produced, self._copied(data), owner, True, exhausted, objects, report)
 
     def _copied(self, data: Any) -> Any:
@@ -380,6 +386,11 @@ class WorkerRuntime:
         return pickle.loads(pickle.dumps(data, pickle.HIGHEST_PROTOCOL))
 
 
+def own_part(snapshot: Snapshot, owner: str) -> Any:
+    """The dataset's or iterator's own state in ``snapshot`` (its part, for "both")."""
+    return snapshot.data[owner] if snapshot.data_owner == "both" else snapshot.data
+
+
 def _blame_own_state(exc: BaseException, dataset: Any, how: str) -> BaseException:
     """``exc``, with a note naming the dataset's own state protocol as the likely cause
     of a failed restore, and the option that resumes without it."""
@@ -388,9 +399,12 @@ def _blame_own_state(exc: BaseException, dataset: Any, how: str) -> BaseExceptio
     name = type(dataset).__qualname__
     exc.add_note(
         f"Raised {how} {name}'s own state from a snapshot (a checkpoint's, or the last "
-        f"epoch's end with persistent workers): that state is the likely "
-        f"cause ({name}'s state_dict() may not save everything its load_state_dict() needs, "
-        "a shuffle buffer for one, or may be another worker count's). Build the loader with "
+        f"epoch's end with persistent workers): that state, or what {name}'s "
+        "load_state_dict() does with it, is the likely cause. As in torchdata, the "
+        "dataset's load_state_dict() runs before iter(dataset) and its iterator's after it "
+        "(the dataset's own when __iter__ returns self); the state may also lack "
+        "something the next batch needs, or come from another logical worker count "
+        "(docs/iterable.md, \"Datasets with their own state\"). Build the loader with "
         "state_protocol=False to resume it exactly by replay from the epoch start instead"
     )
     return exc

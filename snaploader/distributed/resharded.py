@@ -40,6 +40,7 @@ from torch.utils.data import Sampler
 from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.checkpoint import check_depth, sha256_of
 from .._loader import DataLoader
+from .continuation import continued, read_to_end
 from .rules import (
     Source, World, check_reached, gather, hosted, new_batch_size, rebatch_allowed, remaining, require_in_order,
     sampler_for, share,
@@ -107,7 +108,9 @@ def _build(make_loader: LoaderFactory, sampler: Sampler[int]) -> DataLoader[Any]
 def _remainder(make_loader: LoaderFactory, source: Source, rank: int, world_size: int) -> DataLoader[Any]:
     """The loader reading new rank ``rank``'s share of the interrupted epoch, drawing with
     that epoch's per-sample seed when the old run used seed_per_sample."""
-    loader = _build(make_loader, RemainderSampler(share(remaining(source), source.deal_size, rank, world_size)))
+    loader = continued(
+        _build(make_loader, RemainderSampler(share(remaining(source), source.deal_size, rank, world_size))), source.after, rank, rest=True,
+    )
     _check_source(source, loader)
     if loader.seed_per_sample != (source.sample_seed is not None):
         raise CheckpointMismatchError(
@@ -150,7 +153,7 @@ class ReshardedLoader:
         self._set_epoch: int | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        if self._rest is not None and not self.loaders:
+        if self._rest is not None and not self.loaders and not read_to_end(self._rest[1]):
             self.loaders = [self._rest[1]]
             return iter(self.loaders[0])
         if self._rest is not None:
@@ -175,7 +178,7 @@ class ReshardedLoader:
         epoch = self._set_epoch
         if epoch is None and source.sampler_epoch is not None:
             epoch = source.sampler_epoch + 1
-        return _build(self.make_loader, sampler_for(source, self.world_size, self.rank, epoch))
+        return continued(_build(self.make_loader, sampler_for(source, self.world_size, self.rank, epoch)), source.after, self.rank)
 
     def __len__(self) -> int:
         if self._rest is not None and not self.loaders:
@@ -195,13 +198,11 @@ class ReshardedLoader:
         """Plain data: this rank's loaders' checkpoints (hosting: one per logical rank,
         in order), or the interrupted epoch's source and the loader reading its share.
         Pass every new rank's to :func:`reshard` to resume, on any world size."""
+        # Until the next epoch begins, the interrupted one's source says how it begins
+        # (Source.after), whether its rest was read to the end or not.
         rest = None
         if self._rest is not None:
-            state = self._rest[1].state_dict()
-            if not state["ended"] or state["epoch"] < 0:  # not read to its end yet
-                rest = {"source": self._rest[0].to_plain(), "loader": state}
-            else:
-                self.loaders, self._rest = [self._after()], None
+            rest = {"source": self._rest[0].to_plain(), "loader": self._rest[1].state_dict()}
         body = {
             "format": _FORMAT,
             "version": _VERSION,
@@ -336,7 +337,7 @@ def reshard(
         require_in_order(world.checkpoints)
     source = _check_world(world, make_loader, rebatch, built)
     if source.sampler_epoch is None:  # no epoch under way: the M-rank sampler now
-        after = _build(make_loader, sampler_for(source, world_size, rank, _epoch_of(world)))
+        after = continued(_build(make_loader, sampler_for(source, world_size, rank, _epoch_of(world))), source.after, rank)
         return ReshardedLoader(
             mode="repartition", rank=rank, world_size=world_size, make_loader=make_loader,
             combine=combine, loaders=[after], epoch=_epoch_of(world),

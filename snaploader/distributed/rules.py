@@ -24,6 +24,7 @@ from .._format.checkpoint import Checkpoint, DistributedArgs
 from .._format.fingerprint import FINGERPRINT_KEYS
 from .._format.parse import parse
 from .._rng.per_sample import epoch_seed
+from .continuation import Continuation
 
 # The fingerprint entries that differ between the ranks of one world: the rank itself,
 # and the process count, which never defines the stream (logical workers).
@@ -51,6 +52,9 @@ class Source:
     # the rest is dealt in; None: the old one. batch_size stays the old run's, which
     # its ranks' positions (consumed) count in.
     new_batch_size: int | None = None
+    # the old run's next epoch, for the loaders that read it (None: a source written
+    # before it was recorded, whose next epoch starts as a new loader's)
+    after: Continuation | None = None
 
     @property
     def deal_size(self) -> int:
@@ -64,6 +68,7 @@ class Source:
             "batch_size": self.batch_size, "drop_last": self.drop_last,
             "sampler_epoch": self.sampler_epoch, "consumed": list(self.consumed),
             "sample_seed": self.sample_seed, "new_batch_size": self.new_batch_size,
+            "after": None if self.after is None else self.after.to_plain(),
         }
 
     @classmethod
@@ -74,10 +79,11 @@ class Source:
             "num_replicas": int, "shuffle": bool, "seed": int, "sampler_drop_last": bool,
             "dataset_length": int, "batch_size": int, "drop_last": bool,
         }
-        keys = {*types, "sampler_epoch", "consumed", "sample_seed", "new_batch_size"}
-        # a source written before new_batch_size existed was dealt in the old batch size
-        if isinstance(plain, dict) and set(plain) == keys - {"new_batch_size"}:
-            plain = {**plain, "new_batch_size": None}
+        keys = {*types, "sampler_epoch", "consumed", "sample_seed", "new_batch_size", "after"}
+        # a source written before new_batch_size (after) existed was dealt in the old
+        # batch size (left the next epoch to start as a new loader's)
+        if isinstance(plain, dict) and set(plain) | {"new_batch_size", "after"} == keys:
+            plain = {"new_batch_size": None, "after": None, **plain}
         if not isinstance(plain, dict) or set(plain) != keys:
             raise CheckpointFormatError(f"{where} is not a re-partition source: it should hold {sorted(keys)}")
         for key, kind in types.items():
@@ -100,7 +106,8 @@ class Source:
             raise CheckpointFormatError(f"{where}['new_batch_size'] should be None or an int >= 1, got {new_size!r:.60}")
         if not isinstance(consumed, list) or len(consumed) != plain["num_replicas"]:
             raise CheckpointFormatError(f"{where}['consumed'] should be a list of one count per old rank ({plain['num_replicas']})")
-        source = cls(**{**plain, "consumed": tuple(consumed)})
+        after = None if plain["after"] is None else Continuation.from_plain(plain["after"], f"{where}['after']", plain["num_replicas"])
+        source = cls(**{**plain, "consumed": tuple(consumed), "after": after})
         per_rank = rank_batches(source)
         for rank, count in enumerate(consumed):
             if type(count) is not int or not 0 <= count <= per_rank:
@@ -279,6 +286,7 @@ def _source_of(checkpoints: list[Checkpoint]) -> Source:
         # an epoch that ended has yielded all its batches (check_consistent)
         consumed=tuple(_position(f"rank {r}'s checkpoint", c)[2] for r, c in enumerate(checkpoints)),
         sample_seed=_sample_seed(checkpoints) if under_way else None,
+        after=Continuation.of(checkpoints),
     )
 
 
@@ -287,10 +295,11 @@ def _sample_seed(checkpoints: Sequence[Checkpoint]) -> int | None:
     rank, or None when the option is off."""
     if not checkpoints[0].fingerprint.get("seed_per_sample", False):
         return None
-    seeds = [checkpoint.base_seed for checkpoint in checkpoints]
+    # NOTE [ per-sample root ] in _rng/per_sample.py
+    seeds = [checkpoint.base_seed if checkpoint.sample_root is None else checkpoint.sample_root for checkpoint in checkpoints]
     if len(set(seeds)) > 1:
         raise ValueError(
-            f"the ranks' loaders drew different base seeds for the interrupted epoch ({seeds}): "
+            f"the ranks' loaders drew different base seeds for the run ({seeds}): "
             "with seed_per_sample=True a sample's draws follow the base seed, so no rank "
             "can draw a sample as its old rank did. Give every rank's loader the same "
             "generator seed (torch.Generator().manual_seed(seed)) to reshard exactly"
