@@ -12,7 +12,7 @@ from typing import Any, Final, Generic, TypeVar
 import torch
 import torch.utils.data as torch_data
 
-from ._format.build import build_state, copy_state
+from ._format.build import build_state, loaded_state
 from ._format.codec import read_state
 from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
 from ._format.schema import LoaderFacts
@@ -28,7 +28,7 @@ from ._epoch.plan import stateful_part
 from ._epoch.resize import part_batches, resized
 from ._state.records import has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
-from ._format.skip import skip_count, state_with_skip
+from ._format.skip import skip_count
 
 # The type of the batches, as in torch: ``DataLoader[int]`` is valid in annotations.
 _T_co = TypeVar("_T_co", covariant=True)
@@ -278,6 +278,22 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             raise ValueError(f"sample_seed={sample_seed!r:.40}: expected an int in [0, 2**64), for a loader with seed_per_sample=True")
         self._sample_seed = sample_seed
 
+    @property
+    def epoch(self) -> int:
+        """The loader's epoch, counted by the loader from 0: while an epoch is under way
+        (from ``iter()`` until it raises ``StopIteration``), that epoch; otherwise the
+        epoch the next ``iter()`` yields: 0 before the first, the next one after an epoch
+        ended, and after :meth:`load_state_dict` the checkpoint's epoch (taken mid-epoch)
+        or the one after it (taken after the epoch ended). A training loop that starts
+        ``for epoch in range(loader.epoch, epochs)`` resumes the right epoch from a
+        checkpoint taken at any moment, between epochs included (docs/api.md)."""
+        if self._pending is not None:
+            return self._pending.epoch
+        progress = self._published.progress
+        if progress is None:
+            return 0
+        return progress.epoch + 1 if progress.ended else progress.epoch
+
     def batches_remaining(self) -> int | None:
         """How many batches the epoch in progress still yields: ``len(loader)`` minus
         those already yielded (or skipped). After :meth:`load_state_dict`, what the next
@@ -391,7 +407,6 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         if extra:
             total = restore.start.skip + extra
             restore = replace(restore, start=replace(restore.start, skip=total))
-            state = state_with_skip(state, total)
         if restore.start.restore_rng is not None:
             announce_replay(
                 restore.ledgers, self.dataset, self.replay, state_protocol=self.state_protocol,
@@ -412,4 +427,4 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         # The dataset's own state is loaded when the next epoch starts (_epoch/iterator.py),
         # not here under the training loop's RNGs, where an abandoned iterator could move it.
         self._pending = replace(restore.start, dataset_state=restore.dataset_state)
-        self._published.load(copy_state(state))
+        self._published.load(loaded_state(restore.checkpoint, restore.ledgers, restore.start.skip, RngSource(self.generator)))

@@ -130,8 +130,16 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
             "the snaploader release that wrote it, or start the epoch afresh",
         )
     _fields("loader state", state, {"digest": (str,), "workers": (list,)})
+    # The fields are checked before the digest, so that a malformed one is named (the
+    # digest alone can only say that something changed); every check is bounded (NOTE
+    # [ checkpoint limits ]), so nothing an unsigned edit holds costs more.
+    checkpoint = _checked(state, version)
     if verify_digest:
         check_digest(state)
+    return checkpoint
+
+
+def _checked(state: dict[str, Any], version: int) -> Checkpoint:
     top = _fields("loader state", _upgrade(state, version), TOP_FIELDS)
     fingerprint, distributed = _fingerprint(top["fingerprint"])
     epoch = _at_least("loader state['epoch']", top["epoch"], -1)

@@ -101,8 +101,6 @@ class Runner(ABC):
         report = result.snapshot.report
         if report is not None and self.census is not None:
             self.census.note(slot, report)
-        if result.digest is not None and self.progress is not None:
-            self.progress.note_digest(slot, result.snapshot.produced, result.digest)
 
     @abstractmethod
     def _transmit(self, slot: int, msg: Resume | Task) -> None:
@@ -132,8 +130,7 @@ class Runner(ABC):
         return None
 
     def poll(self) -> None:
-        """Take the answers that have already arrived, without waiting (so that a
-        checkpoint can hold the self-check digests of prefetched batches)."""
+        """Take the answers that have already arrived, without waiting."""
 
     @abstractmethod
     def settle(self, timeout_s: float) -> None:
