@@ -55,6 +55,7 @@ _TORCHDATA_KEYS: Final = frozenset({
     "_iterator_finished", "_shared_seed", "_last_yielded_worker_id",
 })
 _SEED_RANGE: Final = range(-(2**63), 2**63)  # what torch.Generator.manual_seed takes
+MAX_COUNT: Final = 2**62  # every count and index (NOTE [ checkpoint limits ])
 
 
 def _fail(where: str, problem: str) -> CheckpointFormatError:
@@ -80,8 +81,11 @@ def _fields(where: str, value: Any, fields: dict[str, tuple[type, ...]]) -> dict
 
 
 def _at_least(where: str, value: int, low: int) -> int:
-    if value < low:
-        raise _fail(where, f"is {value}; expected >= {low}")
+    """``value``, a count or index, checked against ``low`` and against ``MAX_COUNT``:
+    what reaches torch, NumPy and ``itertools`` (int64, ``sys.maxsize``) with room for
+    the sums and the epoch after it that the loader computes."""
+    if not low <= value < MAX_COUNT:
+        raise _fail(where, f"is {value}; expected an int in [{low}, 2**62)")
     return value
 
 
@@ -168,6 +172,13 @@ def _checked(state: dict[str, Any], version: int) -> Checkpoint:
         _at_least("loader state['epoch_length']", top["epoch_length"], 0)
     if top["sampler_epoch"] is not None:
         _at_least("loader state['sampler_epoch']", top["sampler_epoch"], 0)
+        if distributed is not None and distributed.seed + top["sampler_epoch"] not in _SEED_RANGE:
+            # DistributedSampler seeds its generator with seed + epoch at iter()
+            raise _fail(
+                "loader state['sampler_epoch']",
+                f"is {top['sampler_epoch']}; with the sampler's seed {distributed.seed} it makes a seed "
+                "outside [-2**63, 2**63), which torch's DistributedSampler cannot use",
+            )
     if top["shared_seed"] is not None and top["shared_seed"] not in _SEED_RANGE:
         raise _fail("loader state['shared_seed']", f"is {top['shared_seed']}; expected an int in [-2**63, 2**63)")
     if epoch == -1 and top["shared_seed"] is not None:
@@ -260,7 +271,7 @@ def _next_batch(w: int, entry: Any) -> NextBatch | None:
         return None
     where = f"loader state['next_batches'][{w}]"
     _fields(where, entry, {"produced": (int,), "digest": (str,)})
-    if entry["produced"] < 1 or len(entry["digest"]) > 64:
+    if not 1 <= entry["produced"] < MAX_COUNT or len(entry["digest"]) > 64:
         raise _fail(where, "is not a batch count >= 1 with a short digest")
     return NextBatch(entry["produced"], entry["digest"])
 
