@@ -137,7 +137,15 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
     # The fields are checked before the digest, so that a malformed one is named (the
     # digest alone can only say that something changed); every check is bounded (NOTE
     # [ checkpoint limits ]), so nothing an unsigned edit holds costs more.
-    checkpoint = _checked(state, version)
+    try:
+        checkpoint = _checked(state, version)
+    except CheckpointFormatError as exc:
+        if verify_digest:
+            try:
+                check_digest(state)
+            except CheckpointFormatError as digest:
+                raise CheckpointFormatError(f"{exc}; and {digest}") from None
+        raise
     if verify_digest:
         check_digest(state)
     return checkpoint
