@@ -75,10 +75,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
       :class:`~snaploader.ReplayRefusedError`.
     * ``max_worker_retries`` (int, default 3): how many times a worker that dies on the
       same batch is respawned before :class:`~snaploader.WorkerCrashedError`.
-    * ``check_resume`` (bool, default True): the resume self-check. Workers send a
-      small digest with each batch; a checkpoint keeps those of the batches that were
-      prefetched but not yet yielded, and after a restore the regenerated batches are
-      compared with them (:class:`~snaploader.ResumeMismatchWarning` on a difference).
+    * ``check_resume`` (bool, default True): the resume self-check of checkpoints
+      written by older releases, which kept small digests of the batches prefetched but
+      not yet yielded: after a restore the regenerated batches are compared with them
+      (:class:`~snaploader.ResumeMismatchWarning` on a difference). This release writes
+      none: a state is a function of its position, not of what had arrived.
     * ``rng_objects`` (callable or None): called in each worker after ``worker_init_fn``;
       returns an object (or a list or dict of them) holding generators the search of
       the dataset, ``collate_fn`` and ``worker_init_fn`` cannot reach (a global of

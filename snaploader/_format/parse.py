@@ -1,14 +1,18 @@
 """An untrusted loader state turned into a :class:`~snaploader._format.checkpoint.Checkpoint`
 in one pass: :func:`parse`.
 
-In order, cheapest first, each problem a :class:`CheckpointFormatError` naming the key
-path: the nesting depth (before anything recursive runs; NOTE [ checkpoint limits ]),
-the format and version, the integrity digest, the upgrade of an older version (the one
-place that knows what an older file lacks: :func:`_upgrade`), every field's type and
-range, the logical worker count against the ledgers, each blob decoded once (base64,
-RNG states with their twist codes' headers, generator-object records, user state), the
-facts that tie fields together without a loader, and the total twists the RNG states
-ask to replay. Nothing a loader decides is checked here (``_format/schema.py``).
+In order, each problem a :class:`CheckpointFormatError` naming the key path: the
+nesting depth (before anything recursive runs; NOTE [ checkpoint limits ]), the format
+and version, the upgrade of an older version (the one place that knows what an older
+file lacks: :func:`_upgrade`), every field's type and range (counts and indices below
+``MAX_COUNT``, seeds within torch's), the logical worker count against the ledgers,
+each blob decoded once (base64, RNG states with their twist codes' headers,
+generator-object records, user state), the facts that tie fields together without a
+loader, the total twists the RNG states ask to replay; and last the integrity digest,
+over snaploader's own fields (NOTE [ foreign keys ]), so that a malformed field is
+named (with the digest's mismatch beside it when it has one). Every check before the
+digest is bounded, so an unsigned edit costs no more than a signed one. Nothing a
+loader decides is checked here (``_format/schema.py``).
 """
 
 from __future__ import annotations
