@@ -65,13 +65,15 @@ def _check_chain(kind: str, workers: int, persistent: bool, every: int, cuts: li
     at, resumed = 0, fresh[0]
     for cut in [*cuts, total]:
         loader = _loader(kind, workers, persistent, every)
-        loader.load_state_dict(resumed)
-        got = _states(loader, at, cut)
+        try:
+            loader.load_state_dict(resumed)
+            got = _states(loader, at, cut)
+        finally:
+            del loader  # persistent workers end with it, a failed check's too
         for position, state in got.items():
             assert state == fresh[position], f"{kind}: state at position {position} after resuming at {at} (cuts {cuts})"
             assert _bytes(state) == _bytes(fresh[position]), f"{kind}: bytes at position {position}"
         at, resumed = cut, got[cut]
-        del loader
 
 
 def _total(kind: str) -> int:
@@ -105,9 +107,12 @@ def test_torchdatas_skip_steps_case() -> None:
 @pytest.mark.parametrize("kind,every", [("map", 1), ("iterator", 3), ("dataset", 2), ("plain", 1)])
 def test_resumed_once_and_twice_give_the_fresh_runs_states(kind: str, every: int, workers: int, persistent: bool) -> None:
     total = _total(kind)
-    # cuts mid-epoch, at an epoch's end and right after it, and across the epoch boundary
+    # cuts mid-epoch, at an epoch's end and right after it, and across the epoch
+    # boundary; an iterable's at a complete snapshot (6: every 2 or 3 batches), resumed
+    # past later incomplete ones
     half = total // 2
-    _check_chain(kind, workers, persistent, every, [half - 2, half, half + 3], total)
+    cuts = [6, half - 2, half, half + 3] + ([30] if total > 31 else [])
+    _check_chain(kind, workers, persistent, every, cuts, total)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -124,16 +129,17 @@ def test_any_cut_points(kind: str, workers: int, persistent: bool, every: int, d
     _check_chain(kind, workers, persistent and workers > 0, every, cuts, total)
 
 
-def test_a_loaded_state_comes_back_as_this_version_writes_it() -> None:
-    # An epoch start the resume does not use, a key that is not snaploader's: the state
-    # read back before iter() is the one a fresh loader at that position gives.
-    loader = _loader("iterator", 2, False, 3)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loaded_state_comes_back_as_this_version_writes_it(workers: int) -> None:
+    # A key that is not snaploader's: the state read back before iter() is the one a
+    # fresh loader at that position gives.
+    loader = _loader("iterator", workers, False, 3)
     iterator = iter(loader)
     for _ in range(4):
         next(iterator)
     state = loader.state_dict()
     del iterator
     edited = {**state, "_iterator_finished": False}
-    again = _loader("iterator", 2, False, 3)
+    again = _loader("iterator", workers, False, 3)
     again.load_state_dict(edited)
     assert again.state_dict() == state
