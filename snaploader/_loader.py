@@ -19,7 +19,7 @@ from ._format.schema import LoaderFacts
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.options import Options
-from ._state.ledger import EpochProgress, EpochStart
+from ._state.ledger import EpochProgress, EpochStart, current_epoch
 from ._state.replay import announce_replay
 from ._state.published import Publisher
 from ._rng.objects import RngCensus, discover
@@ -75,11 +75,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
       :class:`~snaploader.ReplayRefusedError`.
     * ``max_worker_retries`` (int, default 3): how many times a worker that dies on the
       same batch is respawned before :class:`~snaploader.WorkerCrashedError`.
-    * ``check_resume`` (bool, default True): the resume self-check of checkpoints
-      written by older releases, which kept small digests of the batches prefetched but
-      not yet yielded: after a restore the regenerated batches are compared with them
-      (:class:`~snaploader.ResumeMismatchWarning` on a difference). This release writes
-      none: a state is a function of its position, not of what had arrived.
+    * ``check_resume`` (bool, default True): compare the batches regenerated after a
+      restore with the digests an older release's checkpoint kept of them
+      (:class:`~snaploader.ResumeMismatchWarning`); this release writes none (docs/api.md).
     * ``rng_objects`` (callable or None): called in each worker after ``worker_init_fn``;
       returns an object (or a list or dict of them) holding generators the search of
       the dataset, ``collate_fn`` and ``worker_init_fn`` cannot reach (a global of
@@ -281,19 +279,10 @@ class DataLoader(torch_data.DataLoader[_T_co]):
 
     @property
     def epoch(self) -> int:
-        """The loader's epoch, counted by the loader from 0: while an epoch is under way
-        (from ``iter()`` until it raises ``StopIteration``), that epoch; otherwise the
-        epoch the next ``iter()`` yields: 0 before the first, the next one after an epoch
-        ended, and after :meth:`load_state_dict` the checkpoint's epoch (taken mid-epoch)
-        or the one after it (taken after the epoch ended). A training loop that starts
-        ``for epoch in range(loader.epoch, epochs)`` resumes the right epoch from a
-        checkpoint taken at any moment, between epochs included (docs/api.md)."""
-        if self._pending is not None:
-            return self._pending.epoch
-        progress = self._published.progress
-        if progress is None:
-            return 0
-        return progress.epoch + 1 if progress.ended else progress.epoch
+        """The loader's epoch, from 0: the one under way (from ``iter()`` to its
+        ``StopIteration``), else the one the next ``iter()`` yields, a loaded checkpoint's
+        included; ``for epoch in range(loader.epoch, epochs)`` resumes right (docs/api.md)."""
+        return self._pending.epoch if self._pending is not None else current_epoch(self._published.progress)
 
     def batches_remaining(self) -> int | None:
         """How many batches the epoch in progress still yields: ``len(loader)`` minus

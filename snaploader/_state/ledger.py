@@ -265,6 +265,15 @@ class EpochProgress:
         )
 
 
+def current_epoch(progress: EpochProgress | None) -> int:
+    """A loader's epoch (``DataLoader.epoch``) when its last epoch is ``progress`` and no
+    checkpoint is loaded: that epoch while it runs, the next one once it ended (what the
+    next ``iter()`` starts, :meth:`EpochStart.after`), 0 before the first."""
+    if progress is None:
+        return 0
+    return progress.epoch + 1 if progress.ended else progress.epoch
+
+
 @dataclass(frozen=True)
 class EpochStart:
     """How the next epoch begins: fresh, or restored from a checkpoint."""
