@@ -88,8 +88,10 @@ def _at_least(where: str, value: int, low: int) -> int:
     """``value``, a count or index, checked against ``low`` and against ``MAX_COUNT``:
     what reaches torch, NumPy and ``itertools`` (int64, ``sys.maxsize``) with room for
     the sums and the epoch after it that the loader computes."""
-    if not low <= value < MAX_COUNT:
-        raise _fail(where, f"is {value}; expected an int in [{low}, 2**62)")
+    if value < low:
+        raise _fail(where, f"is {value}; expected >= {low}")
+    if value >= MAX_COUNT:
+        raise _fail(where, f"is {value}; expected < 2**62, which no count or index of a real run reaches")
     return value
 
 
