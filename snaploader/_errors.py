@@ -39,14 +39,26 @@ class StateNotPlainDataError(TypeError):
 
 
 class ResumeMismatchWarning(UserWarning):
-    """After a restore, a batch that was prefetched when the checkpoint was taken came
-    out different (the resume self-check): something the checkpoint does not capture
-    changed the stream. The message names the batch, the worker and the usual causes."""
+    """After a restore, a batch whose digest a checkpoint of an older release kept (it
+    was prefetched when the checkpoint was taken) came out different (the resume
+    self-check): something the checkpoint does not capture changed the stream. The
+    message names the batch, the worker and the usual causes."""
 
 
 class WorkerRespawnedWarning(RuntimeWarning):
     """A worker process died and was respawned from its snapshot; the stream goes on
     unchanged. The message names the worker, its pid, the signal, and the batch."""
+
+
+# Shown and pickled under the public name (``snaploader.WorkerCrashedError`` in a
+# traceback, not ``snaploader._errors.WorkerCrashedError``): snaploader's __init__
+# re-exports every one, so an exception pickled in one process unpickles in another.
+for _public in (
+    CheckpointFormatError, CheckpointMismatchError, WorkerCrashedError, ReplayRefusedError,
+    StateNotPlainDataError, ResumeMismatchWarning, WorkerRespawnedWarning,
+):
+    _public.__module__ = "snaploader"
+del _public
 
 
 # -- helpers for messages --------------------------------------------------------------

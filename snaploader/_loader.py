@@ -12,14 +12,14 @@ from typing import Any, Final, Generic, TypeVar
 import torch
 import torch.utils.data as torch_data
 
-from ._format.build import build_state, copy_state
+from ._format.build import build_state, loaded_state
 from ._format.codec import read_state
 from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
 from ._format.schema import LoaderFacts
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.options import Options
-from ._state.ledger import EpochProgress, EpochStart
+from ._state.ledger import EpochProgress, EpochStart, current_epoch
 from ._state.replay import announce_replay
 from ._state.published import Publisher
 from ._rng.objects import RngCensus, described, discover
@@ -28,7 +28,7 @@ from ._epoch import sampler_rngs
 from ._epoch.resize import part_batches, resized
 from ._state.records import check_own_states, has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
-from ._format.skip import skip_count, state_with_skip
+from ._format.skip import skip_count
 
 # The type of the batches, as in torch: ``DataLoader[int]`` is valid in annotations.
 _T_co = TypeVar("_T_co", covariant=True)
@@ -75,10 +75,9 @@ class DataLoader(torch_data.DataLoader[_T_co]):
       :class:`~snaploader.ReplayRefusedError`.
     * ``max_worker_retries`` (int, default 3): how many times a worker that dies on the
       same batch is respawned before :class:`~snaploader.WorkerCrashedError`.
-    * ``check_resume`` (bool, default True): the resume self-check. Workers send a
-      small digest with each batch; a checkpoint keeps those of the batches that were
-      prefetched but not yet yielded, and after a restore the regenerated batches are
-      compared with them (:class:`~snaploader.ResumeMismatchWarning` on a difference).
+    * ``check_resume`` (bool, default True): compare the batches regenerated after a
+      restore with the digests an older release's checkpoint kept of them
+      (:class:`~snaploader.ResumeMismatchWarning`); this release writes none (docs/api.md).
     * ``rng_objects`` (callable or None): called in each worker after ``worker_init_fn``;
       returns an object (or a list or dict of them) holding generators the search of
       the dataset, ``collate_fn`` and ``worker_init_fn`` cannot reach (a global of
@@ -281,6 +280,13 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             raise ValueError(f"sample_seed={sample_seed!r:.40}: expected an int in [0, 2**64), for a loader with seed_per_sample=True")
         self._sample_seed = sample_seed
 
+    @property
+    def epoch(self) -> int:
+        """The loader's epoch, from 0: the one under way (from ``iter()`` to its
+        ``StopIteration``), else the one the next ``iter()`` yields, a loaded checkpoint's
+        included; ``for epoch in range(loader.epoch, epochs)`` resumes right (docs/api.md)."""
+        return self._pending.epoch if self._pending is not None else current_epoch(self._published.progress)
+
     def batches_remaining(self) -> int | None:
         """How many batches the epoch in progress still yields: ``len(loader)`` minus
         those already yielded (or skipped). After :meth:`load_state_dict`, what the next
@@ -392,7 +398,6 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         if extra:
             total = restore.start.skip + extra
             restore = replace(restore, start=replace(restore.start, skip=total))
-            state = state_with_skip(state, total)
         if restore.start.restore_rng is not None:
             announce_replay(
                 restore.ledgers, self.dataset, self.replay, state_protocol=self.state_protocol,
@@ -417,6 +422,6 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         # The dataset's own state is loaded when the next epoch starts (_epoch/iterator.py),
         # not here under the training loop's RNGs, where an abandoned iterator could move it.
         self._pending = replace(restore.start, dataset_state=restore.dataset_state)
-        self._published.load(copy_state(state))
+        self._published.load(loaded_state(restore.checkpoint, restore.ledgers, restore.start.skip, RngSource(self.generator)))
         if untouched is not None:
             self._begin(untouched)

@@ -12,7 +12,9 @@ generator-object record's header) rather than a field.
     python stress/fuzz_checkpoints.py --seconds 300   # a long run, for people
     python stress/fuzz_checkpoints.py --quick         # the CI variant (about 30 s)
 
-Half the mutants are re-signed (their digest recomputed, as a deliberate editor would),
+It starts with every integer field of every configuration set to huge values (past
+int64 and uint64) and negative ones, re-signed: each must be refused at load, naming the
+field, before it reaches torch or NumPy. Half the random mutants are re-signed (their digest recomputed, as a deliberate editor would),
 so that the checks behind the digest are reached too. Every mutant must either fail
 with a named ``CheckpointFormatError``/``CheckpointMismatchError`` ("clear") or resume
 exactly the stream the original resumes ("identical"). A line per configuration
@@ -35,7 +37,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests._fuzz import CONFIGS, RESHARD_CONFIGS, build_case, build_reshard_case, check_one, check_one_reshard  # noqa: E402
+from tests._fuzz import (  # noqa: E402
+    CONFIGS, RESHARD_CONFIGS, build_case, build_reshard_case, check_integers, check_one, check_one_reshard,
+)
 
 
 def main() -> int:
@@ -54,6 +58,15 @@ def main() -> int:
     counts = {"clear": 0, "identical": 0, "other": 0}
     per_case: dict[tuple[str, bool], dict[str, int]] = {}
     deadline = time.monotonic() + args.seconds
+    # First every integer field of every configuration, huge and negative (re-signed).
+    for case in cases[: len(CONFIGS)]:
+        for result, what in check_integers(case):
+            kind = result if result in counts else "other"
+            counts[kind] += 1
+            tally = per_case.setdefault((case.name, True), {"clear": 0, "identical": 0, "other": 0})
+            tally[kind] += 1
+            if kind == "other":
+                print(f"  {case.name}: {what}: {result}", flush=True)
     while time.monotonic() < deadline:
         case = rng.choice(cases)
         result, what = check_one_reshard(case, rng) if case.name in RESHARD_CONFIGS else check_one(case, rng)

@@ -249,7 +249,7 @@ def mutate_decoded(state: dict[str, Any], rng: random.Random) -> tuple[dict[str,
     return mutant, what, signed
 
 
-def _at(state: dict[str, Any], path: tuple[Any, ...]) -> Any:
+def _at(state: Any, path: tuple[Any, ...]) -> Any:
     here: Any = state
     for key in path:
         here = here[key]
@@ -339,6 +339,37 @@ def assert_resumes(case: Case, got: list[list[Any]]) -> None:
         # fixed, their order is timing's
         got, expected = [sorted(epoch, key=_content) for epoch in got], [sorted(epoch, key=_content) for epoch in expected]
     assert_same_stream(got[0] + got[1], expected[0] + expected[1])
+
+
+# What no integer field may hold: past int64 and uint64 (what torch and NumPy take), and
+# below any field's range.
+HUGE_AND_NEGATIVE: tuple[int, ...] = (2**62, 2**63, 2**64, 2**70, -1, -(2**63) - 1)
+
+
+def integer_mutants(state: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every integer field of ``state`` (snaploader's, not the user's own state) set to
+    each of ``HUGE_AND_NEGATIVE`` in turn, re-signed as a deliberate editor would: each
+    must fail clearly at load (or resume the same stream), never reach torch or NumPy."""
+    out = []
+    for path in _paths(state):
+        value = _at(state, path)
+        if type(value) is not int or "data" in path or path[:2] == ("sampler_state", "state"):
+            continue
+        for new in HUGE_AND_NEGATIVE:
+            if new == value:
+                continue
+            mutant = copy.deepcopy(state)
+            parent = _at(mutant, path[:-1])
+            parent[path[-1]] = new
+            out.append((f"set {path} to {new} (re-signed)", resign(mutant)))
+    return out
+
+
+def check_integers(case: Case) -> list[tuple[str, str]]:
+    """(outcome, what was done) of each of ``integer_mutants(case.state)``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [(outcome(case, mutant), what) for what, mutant in integer_mutants(case.state)]
 
 
 def check_one(case: Case, rng: random.Random) -> tuple[str, str]:

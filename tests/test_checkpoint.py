@@ -20,10 +20,10 @@ from torch.utils.data import RandomSampler, default_collate
 
 import snaploader
 from snaploader._format import checkpoint as _checkpoint
-from snaploader._format.checkpoint import _canonical, joined, piece
+from snaploader._format.checkpoint import _canonical, joined, piece, resign
 
 from ._datasets import Augmented, StatefulSampler
-from ._fuzz import CONFIGS, Case, assert_resumes, build_case, check_one
+from ._fuzz import CONFIGS, Case, assert_resumes, build_case, check_integers, check_one
 from ._support import assert_same_stream, epochs, generator, mp_helpers, through_bytes  # noqa: F401
 
 _CASES: dict[str, Case] = {}
@@ -339,3 +339,29 @@ def test_editing_a_returned_state_changes_nothing_the_loader_returns_next(num_wo
     first["workers"].pop()
     assert json.dumps(loader.state_dict()) == as_taken
     del iterator
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_integer_field_huge_or_negative_is_refused_at_load(name: str, mp_helpers: None) -> None:  # noqa: F811
+    # A re-signed sampler_epoch = 2**70 reached torch's DistributedSampler at the first
+    # next() (OverflowError); every integer must be bounded by what torch and NumPy take.
+    results = check_integers(_case(name))
+    assert results
+    bad = [f"{what}: {result}" for result, what in results if result not in ("clear", "identical")]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_re_signed_huge_sampler_epoch_names_the_field() -> None:
+    sampler = torch.utils.data.DistributedSampler(Augmented(8), num_replicas=2, rank=0, seed=5)
+    loader = snaploader.DataLoader(Augmented(8), batch_size=2, sampler=sampler)
+    iterator = iter(loader)
+    next(iterator)
+    state = resign({**loader.state_dict(), "sampler_epoch": 2**70})
+    del iterator
+    again = snaploader.DataLoader(Augmented(8), batch_size=2, sampler=torch.utils.data.DistributedSampler(Augmented(8), num_replicas=2, rank=0, seed=5))
+    with pytest.raises(snaploader.CheckpointFormatError, match=r"loader state\['sampler_epoch'\]"):
+        again.load_state_dict(state)
+    # and within int64, the sampler's seed plus it must be a seed too
+    state = resign({**state, "sampler_epoch": 2**63 - 3})
+    with pytest.raises(snaploader.CheckpointFormatError, match=r"loader state\['sampler_epoch'\]"):
+        again.load_state_dict(state)

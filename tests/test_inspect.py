@@ -35,9 +35,9 @@ def inspect(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def as_json(path: Path, *args: str) -> list[dict[str, Any]]:
+def as_json(path: Path, *args: str, status: int = 0) -> list[dict[str, Any]]:
     code, out, err = inspect(str(path), "--json", *args)
-    assert code == 0, err
+    assert code == status, err
     parsed = json.loads(out)
     assert parsed["file"] == str(path)
     return parsed["states"]  # type: ignore[no-any-return]
@@ -102,12 +102,16 @@ def test_every_configuration_mid_epoch_and_ended(
     # not is a one-line error naming both problems
     edited = {**mid, "fingerprint": {**mid["fingerprint"], "drop_last": True}}
     torch.save({"loader": edited}, path)
-    (summary_edited,) = as_json(path)
+    # exit status 1: a script validates a checkpoint by it
+    (summary_edited,) = as_json(path, status=1)
     assert summary_edited["integrity"].startswith("INVALID: loader state['digest'] does not match")
+    code, text, _ = inspect(str(path))
+    assert code == 1 and "integrity    INVALID: loader state['digest'] does not match" in text
     torch.save({"loader": dict(mid, yielded=mid["yielded"] + 1)}, path)
     code, _, err = inspect(str(path))
     assert code == 2 and err.count("\n") == 1
-    assert "['digest'] does not match" in err and "['yielded'] is 4, but the workers produced 3" in err
+    # the field is named, as load_state_dict names it
+    assert "['yielded'] is 4, but the workers produced 3" in err
     assert "epoch 0, 3 batches consumed, epoch not ended" in out
     assert f"num_workers {workers}" in out
 

@@ -148,19 +148,6 @@ def test_a_pending_skip_is_used_up_by_yielded_batches_and_never_outlives_the_epo
     assert progress.ended and progress.position.skip == 0
 
 
-def test_self_check_digests_are_kept_until_their_batch_is_yielded() -> None:
-    progress = _progress(2)
-    progress.note_digest(0, 1, "a")
-    progress.note_digest(0, 2, "b")
-    assert progress.next_digests() == [(1, "a"), None]
-    progress.advance(0, snap(1), turn=1, yielded=True)
-    assert progress.next_digests() == [(2, "b"), None]
-    assert progress.received_digests[0] == {2: "b"}
-
-
-# -- one epoch after another ----------------------------------------------------------------
-
-
 def test_persistent_workers_carry_their_state_into_the_next_epoch() -> None:
     progress = _progress(2)
     progress.advance(0, snap(3), turn=1, yielded=True)

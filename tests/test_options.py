@@ -60,7 +60,7 @@ class WhatTheWorkerSees(torch.utils.data.Dataset[dict[str, Any]]):
         assert frame is not None, "no worker runtime up the stack"
         runtime: WorkerRuntime = frame.f_locals["self"]
         seen = _comparable(runtime.setup.options.arguments())
-        return {"options": seen, "logical": runtime.setup.logical, "digests": runtime.setup.digests}
+        return {"options": seen, "logical": runtime.setup.logical}
 
 
 def _listed(batch: list[Any]) -> list[Any]:
@@ -119,4 +119,3 @@ def test_every_worker_sees_every_option(num_workers: int) -> None:
     for sample in samples:
         assert sample["options"] == expected
         assert sample["logical"] == 4  # the stream's worker count, whatever hosts it
-        assert sample["digests"] is False  # check_resume=False: no self-check digests

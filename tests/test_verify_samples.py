@@ -96,7 +96,10 @@ def test_bad_option_values_exit_2(args: list[str], message: str, capsys: pytest.
         ("custom_batches", Topology(batch_size=6), "this one has batch_sampler=BatchSampler"),
         ("unbatched", Topology(num_workers=2), "this one has batch_size=None"),
         ("unordered", Topology(batch_size=6), "the loader has in_order=False"),
-        ("worker_draws", Topology(batch_size=4, num_workers=2), "are the loader's own"),
+        ("worker_draws", Topology(batch_size=4, num_workers=2), "--resume-batch-size 4 and --resume-workers 2 are the loader's own"),
+        # only the flag given is named (the worker count was the loader's by default)
+        ("worker_draws", Topology(batch_size=4), r"^--resume-batch-size 4 is the loader's own \(batch_size=4\): .*drop it "),
+        ("worker_draws", Topology(num_workers=2), r"^--resume-workers 2 is the loader's own \(num_workers=2\)"),
     ],
 )
 def test_loaders_the_mode_cannot_check_are_refused(name: str, topology: Topology, message: str) -> None:

@@ -207,7 +207,6 @@ class SnapIterator:
             logical=self.progress.logical,
             base_seed=base_seed,
             options=settings.options,
-            digests=settings.options.check_resume and settings.num_workers > 0,
             world=world(),
         )
         if settings.num_workers == 0:
@@ -285,10 +284,6 @@ class SnapIterator:
         turn = (slot + 1) % progress.slots if self.settings.iterable else progress.position.turn
         progress.advance(slot, result.snapshot, turn=turn, yielded=True)
         self._dispatch()
-        if self.settings.options.check_resume and self.runner is not None:
-            # Results a worker finished while the training step ran are taken now, so
-            # that the next checkpoint holds their digests (the resume self-check).
-            self.runner.poll()
         if result.kind is Kind.ERROR:
             if not isinstance(result.payload, WorkerError):
                 raise TypeError(f"an error result carried a {type(result.payload).__name__}")

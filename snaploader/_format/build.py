@@ -19,14 +19,16 @@ from .checkpoint import (
     FORMAT,
     SAME_AS_YIELDED,
     VERSION,
+    Checkpoint,
     blob_piece,
     check_user_depth,
     joined,
     piece,
+    resign,
     sha256_text,
 )
-from .fingerprint import Fingerprint
-from .._state.ledger import EpochProgress, WorkerLedger
+from .fingerprint import CHECKED_KEYS, Fingerprint
+from .._state.ledger import EpochProgress, Position, WorkerLedger
 from .._state.published import Seen
 from .._state.records import Snapshot
 from .._rng.capture import RngSource, rng_bytes
@@ -100,10 +102,13 @@ def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any],
         return _sealed(snapshot, f"{where}[{key!r}]")
 
     at = ledger.yielded
-    # Resuming from a complete snapshot needs nothing else: keep the epoch start only
-    # when nothing was yielded yet or a replay starts from it (half the size with
-    # persistent workers, whose epoch start is a full snapshot).
-    needs_start = at is None or not at.complete
+    # The epoch start is kept exactly when resuming starts from it (resume_from: nothing
+    # yielded yet, or a replay with no complete snapshot to start from, or an exhausted
+    # worker's): half the size with persistent workers, whose epoch start is a full
+    # snapshot. A function of the position, not of how it was reached (NOTE [ one state
+    # per position ]): a ledger restored from a checkpoint that left it out holds no
+    # epoch start, and a fresh one at the same position must not write its own.
+    needs_start = at is None or (not at.complete and (at.exhausted or ledger.yielded_complete is None))
     start = sealed(ledger.epoch_start, "epoch_start") if needs_start else (None, "null")
     yielded = sealed(at, "yielded")
     if ledger.yielded_complete is at and at is not None:
@@ -203,16 +208,6 @@ def _constant_pieces(rng_kind: str) -> dict[str, str]:
     return made
 
 
-def _next_batches_piece(entries: list[tuple[int, str] | None]) -> str:
-    """The canonical JSON of ``next_batches`` (``{"produced": count, "digest": text}``
-    per worker whose next batch has arrived, else None), written directly: it changes at
-    every call."""
-    return "[" + ",".join([
-        "null" if entry is None else '{"digest":' + piece(entry[1]) + ',"produced":' + piece(entry[0]) + "}"
-        for entry in entries
-    ]) + "]"
-
-
 # The last fingerprint's canonical JSON: a loader's fingerprint rarely changes (its
 # dataset's length may), so comparing is cheaper than encoding. One tuple, replaced
 # whole, so that another thread's call can only miss it.
@@ -250,7 +245,6 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         "rng_kind": source.kind,
     }
     ledgers: list[tuple[dict[str, Any], str]] = []
-    next_digests: list[tuple[int, str] | None] = []
     if progress is None:
         fixed: dict[str, Any] = {
             "epoch": -1, "rng_start": None, "base_seed": None, "drew_base_seed": True, "shared_seed": None,
@@ -276,14 +270,15 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
             skip=position.skip,
         )
         ledgers = [_ledger_to_plain(ledger, w) for w, ledger in enumerate(position.workers)]
-        next_digests = progress.next_digests()
     rng_next = seen.rng_next
     state["rng_next"] = _plain.b64(rng_next) if state["ended"] and rng_next is not None else None
     # The sampler's generators (_epoch/sampler_rngs.py): written only when it holds one.
     sampler_rngs = None if progress is None else progress.sampler_rngs_next if state["ended"] else progress.sampler_rngs
     if sampler_rngs is not None:
         state["sampler_rngs"] = _plain.b64(sampler_rngs)
-    state["next_batches"] = [None if entry is None else {"produced": entry[0], "digest": entry[1]} for entry in next_digests]
+    # One None per ledger: the prefetched batches' digests that older releases kept here
+    # depended on what had arrived when the call ran (NOTE [ one state per position ]).
+    state["next_batches"] = [None] * len(ledgers)
     # The digest (checkpoint.digest_of), from pieces: the fixed ones as made, the rest now.
     pieces = {
         **fixed_pieces,
@@ -291,9 +286,55 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         "fingerprint": _fingerprint_piece(values),
         **_pieces({key: state[key] for key in _PER_CALL}),
         **({} if sampler_rngs is None else {"sampler_rngs": blob_piece(state["sampler_rngs"])}),
-        "next_batches": _next_batches_piece(next_digests),
+        "next_batches": "[" + ",".join(["null"] * len(ledgers)) + "]",
         "workers": "[" + ",".join(['"' + digest + '"' for _, digest in ledgers]) + "]",
     }
     state["workers"] = [_fresh_ledger(plain) for plain, _ in ledgers]
     state["digest"] = "sha256:" + sha256_text(joined(pieces))
     return state
+
+
+def loaded_state(
+    checkpoint: Checkpoint, ledgers: list[WorkerLedger], skip: int, source: RngSource
+) -> dict[str, Any]:
+    """What ``state_dict()`` returns between ``load_state_dict()`` and the next ``iter()``:
+    the checkpoint as this version writes it (NOTE [ one state per position ] in
+    ``_format/checkpoint.py``), built from the parse like any other state: an older
+    version's layout, twist codes (``ledgers``: expanded), keys snaploader does not own,
+    an epoch start resuming does not use, come out as a fresh state at that position
+    has them. ``skip``: the batches still to skip, a load's own included."""
+    saved = checkpoint.fingerprint
+    # in the order fingerprint_of writes them (torch.save's bytes follow a dict's order)
+    fingerprint = Fingerprint({key: saved[key] for key in (*CHECKED_KEYS, *saved) if key in saved})
+    if checkpoint.epoch < 0:
+        seen = Seen(None, None, None, checkpoint.rng_next)
+        state = build_state(fingerprint, seen, source, checkpoint.logical_workers)
+        return resign({**state, "skip": skip}) if skip else state
+    sampler = checkpoint.sampler_state
+    position = Position(
+        yielded=checkpoint.yielded,
+        turn=checkpoint.turn,
+        workers=tuple(ledgers),
+        ended=checkpoint.ended,
+        sampler_state=None if sampler is None else {"state": sampler.state, "done": sampler.done},
+        skip=skip,
+    )
+    assert checkpoint.rng_start is not None and checkpoint.base_seed is not None  # the parse's
+    progress = EpochProgress(
+        epoch=checkpoint.epoch,
+        rng_start=checkpoint.rng_start,
+        base_seed=checkpoint.base_seed,
+        drew_base_seed=checkpoint.drew_base_seed,
+        position=position,
+        sampler_epoch=checkpoint.sampler_epoch,
+        logical=checkpoint.logical_workers,
+        in_order=checkpoint.in_order,
+        shared_seed=checkpoint.shared_seed,
+        item_offset=checkpoint.item_offset,
+        epoch_length=checkpoint.epoch_length,
+        sample_root=checkpoint.sample_root,
+        sampler_rngs=None if checkpoint.ended else checkpoint.sampler_rngs,
+        sampler_rngs_next=checkpoint.sampler_rngs if checkpoint.ended else None,
+    )
+    seen = Seen(None, progress, position, checkpoint.rng_next if checkpoint.ended else None)
+    return build_state(fingerprint, seen, source, checkpoint.logical_workers)

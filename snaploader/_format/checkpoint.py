@@ -101,6 +101,27 @@ FINGERPRINT_FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "persistent_workers": (bool,),
     "generator": (str,),
 }
+# NOTE [ foreign keys ]
+# A framework may write its own note into the loader's state: Accelerate's stateful-loader
+# path sets state["_iterator_finished"] after every batch (DataLoaderAdapter). A top-level
+# key that is not in HEAD_FIELDS or TOP_FIELDS is not snaploader's: the digest does not
+# cover it, the parse does not read it, and the state a loader returns after loading it
+# does not carry it (it is rebuilt from the parse, _format/build.py's loaded_state: the
+# framework writes its note again into the state it takes next). So such a key is never
+# taken for corruption, and an edit of a field snaploader owns still is.
+
+# NOTE [ one state per position ]
+# A state is a function of the position and the loader's arguments: the same dict, and
+# so the same bytes, whether the position was reached fresh, after one resume or many,
+# and whatever the workers had prefetched, so that checkpoints can be compared, deduped
+# and saved again. What could differ is written canonically: a ledger's epoch start
+# exactly when resuming starts from it (_format/build.py), never because an earlier
+# checkpoint had one; next_batches as one None per ledger (older releases kept there the
+# digests of the prefetched batches that had arrived when the call ran: timing; they are
+# still checked when read, _workers/selfcheck.py); and a loaded state, until its epoch
+# starts, as this version writes it (an older layout or twist codes rewritten, foreign
+# keys left out). tests/test_state_per_position.py compares fresh and resumed states.
+
 # Fields added to a version after it was first written: their absence means this.
 ADDED_TOP: Final[dict[str, Any]] = {
     "skip": 0, "in_order": True, "shared_seed": None, "item_offset": 0, "epoch_length": None,
@@ -267,11 +288,17 @@ def sha256_text(canonical: str) -> str:
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
+def owned(key: str) -> bool:
+    """Whether a checkpoint's top-level ``key`` is snaploader's (NOTE [ foreign keys ])."""
+    return (key in TOP_FIELDS or key in HEAD_FIELDS) and key != "digest"
+
+
 def digest_of(state: dict[str, Any], ledger_digests: list[str]) -> str:
-    """The integrity digest: SHA-256 over the canonical JSON of ``state`` without its
-    ``digest``, each ledger replaced by the SHA-256 of its own canonical JSON (so that a
-    ledger that did not change since the last ``state_dict()`` is not hashed again)."""
-    body = {key: value for key, value in state.items() if key != "digest"}
+    """The integrity digest: SHA-256 over the canonical JSON of ``state``'s own fields
+    (NOTE [ foreign keys ]) but its ``digest``, each ledger replaced by the SHA-256 of its
+    own canonical JSON (so that a ledger that did not change since the last
+    ``state_dict()`` is not hashed again)."""
+    body = {key: value for key, value in state.items() if owned(key)}
     body["workers"] = ledger_digests
     return "sha256:" + sha256_of(body)
 

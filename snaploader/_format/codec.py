@@ -57,8 +57,10 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    sampler hold (encoded as a snapshot's objects, _rng/kinds.py): at the
                    epoch start, or for the next epoch when ``ended``
                    (_epoch/sampler_rngs.py); written only when they hold one (absent: None)
-    next_batches   per worker, {produced, digest} of its next batch when it had already
-                   arrived (the resume self-check, _workers/selfcheck.py), or None
+    next_batches   one None per ledger (NOTE [ one state per position ] in checkpoint.py);
+                   files written before 2026-12-03 may hold per worker {produced, digest}
+                   of its next batch when it had already arrived, still checked after a
+                   restore (the resume self-check, _workers/selfcheck.py)
     workers        one ledger per logical worker (see _state/ledger.py):
                    {worker, epoch_start, yielded, yielded_complete, exhausted, skipped}
                    (worker: its logical index, equal to its place in the list)
@@ -72,7 +74,11 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    objects (base64 of the generator objects' states, _rng/kinds.py, or
                    None)};
                    yielded_complete is "same as yielded" when it is; epoch_start is
-                   None unless resuming needs it (nothing yielded yet, or a replay)
+                   None unless resuming starts from it (nothing yielded yet, a replay
+                   with no complete snapshot, an exhausted worker's last state)
+
+Keys other than these at the top level are not snaploader's (NOTE [ foreign keys ] in
+checkpoint.py): not covered by the digest, not read.
 
 User data (``data``, ``sampler_state.state``) is stored through ``_format/plain.py``'s ``encode``.
 """

@@ -1,14 +1,18 @@
 """An untrusted loader state turned into a :class:`~snaploader._format.checkpoint.Checkpoint`
 in one pass: :func:`parse`.
 
-In order, cheapest first, each problem a :class:`CheckpointFormatError` naming the key
-path: the nesting depth (before anything recursive runs; NOTE [ checkpoint limits ]),
-the format and version, the integrity digest, the upgrade of an older version (the one
-place that knows what an older file lacks: :func:`_upgrade`), every field's type and
-range, the logical worker count against the ledgers, each blob decoded once (base64,
-RNG states with their twist codes' headers, generator-object records, user state), the
-facts that tie fields together without a loader, and the total twists the RNG states
-ask to replay. Nothing a loader decides is checked here (``_format/schema.py``).
+In order, each problem a :class:`CheckpointFormatError` naming the key path: the
+nesting depth (before anything recursive runs; NOTE [ checkpoint limits ]), the format
+and version, the upgrade of an older version (the one place that knows what an older
+file lacks: :func:`_upgrade`), every field's type and range (counts and indices below
+``MAX_COUNT``, seeds within torch's), the logical worker count against the ledgers,
+each blob decoded once (base64, RNG states with their twist codes' headers,
+generator-object records, user state), the facts that tie fields together without a
+loader, the total twists the RNG states ask to replay; and last the integrity digest,
+over snaploader's own fields (NOTE [ foreign keys ]), so that a malformed field is
+named (with the digest's mismatch beside it when it has one). Every check before the
+digest is bounded, so an unsigned edit costs no more than a signed one. Nothing a
+loader decides is checked here (``_format/schema.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ _TORCHDATA_KEYS: Final = frozenset({
     "_iterator_finished", "_shared_seed", "_last_yielded_worker_id",
 })
 _SEED_RANGE: Final = range(-(2**63), 2**63)  # what torch.Generator.manual_seed takes
+MAX_COUNT: Final = 2**62  # every count and index (NOTE [ checkpoint limits ])
 
 
 def _fail(where: str, problem: str) -> CheckpointFormatError:
@@ -80,8 +85,13 @@ def _fields(where: str, value: Any, fields: dict[str, tuple[type, ...]]) -> dict
 
 
 def _at_least(where: str, value: int, low: int) -> int:
+    """``value``, a count or index, checked against ``low`` and against ``MAX_COUNT``:
+    what reaches torch, NumPy and ``itertools`` (int64, ``sys.maxsize``) with room for
+    the sums and the epoch after it that the loader computes."""
     if value < low:
         raise _fail(where, f"is {value}; expected >= {low}")
+    if value >= MAX_COUNT:
+        raise _fail(where, f"is {value}; expected < 2**62, which no count or index of a real run reaches")
     return value
 
 
@@ -130,8 +140,24 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
             "the snaploader release that wrote it, or start the epoch afresh",
         )
     _fields("loader state", state, {"digest": (str,), "workers": (list,)})
+    # The fields are checked before the digest, so that a malformed one is named (the
+    # digest alone can only say that something changed); every check is bounded (NOTE
+    # [ checkpoint limits ]), so nothing an unsigned edit holds costs more.
+    try:
+        checkpoint = _checked(state, version)
+    except CheckpointFormatError as exc:
+        if verify_digest:
+            try:
+                check_digest(state)
+            except CheckpointFormatError as digest:
+                raise CheckpointFormatError(f"{exc}; and {digest}") from None
+        raise
     if verify_digest:
         check_digest(state)
+    return checkpoint
+
+
+def _checked(state: dict[str, Any], version: int) -> Checkpoint:
     top = _fields("loader state", _upgrade(state, version), TOP_FIELDS)
     fingerprint, distributed = _fingerprint(top["fingerprint"])
     epoch = _at_least("loader state['epoch']", top["epoch"], -1)
@@ -160,6 +186,13 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
         _at_least("loader state['epoch_length']", top["epoch_length"], 0)
     if top["sampler_epoch"] is not None:
         _at_least("loader state['sampler_epoch']", top["sampler_epoch"], 0)
+        if distributed is not None and distributed.seed + top["sampler_epoch"] not in _SEED_RANGE:
+            # DistributedSampler seeds its generator with seed + epoch at iter()
+            raise _fail(
+                "loader state['sampler_epoch']",
+                f"is {top['sampler_epoch']}; with the sampler's seed {distributed.seed} it makes a seed "
+                "outside [-2**63, 2**63), which torch's DistributedSampler cannot use",
+            )
     if top["shared_seed"] is not None and top["shared_seed"] not in _SEED_RANGE:
         raise _fail("loader state['shared_seed']", f"is {top['shared_seed']}; expected an int in [-2**63, 2**63)")
     sample_root = top["sample_root"]
@@ -258,7 +291,7 @@ def _next_batch(w: int, entry: Any) -> NextBatch | None:
         return None
     where = f"loader state['next_batches'][{w}]"
     _fields(where, entry, {"produced": (int,), "digest": (str,)})
-    if entry["produced"] < 1 or len(entry["digest"]) > 64:
+    if not 1 <= entry["produced"] < MAX_COUNT or len(entry["digest"]) > 64:
         raise _fail(where, "is not a batch count >= 1 with a short digest")
     return NextBatch(entry["produced"], entry["digest"])
 

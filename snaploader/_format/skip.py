@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checkpoint import resign
 from .._state.ledger import EpochStart
 
 
@@ -57,8 +56,3 @@ def skip_count(start: EpochStart, skip: Any, skip_to: Any, batches_per_epoch: in
         )
     return int(skip)
 
-
-def state_with_skip(state: dict[str, Any], skip: int) -> dict[str, Any]:
-    """``state`` (already validated) with ``skip`` batches pending, digest renewed: what
-    ``state_dict()`` returns between ``load_state_dict(skip=...)`` and ``iter()``."""
-    return resign({**state, "skip": skip})

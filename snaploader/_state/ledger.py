@@ -163,10 +163,8 @@ class EpochProgress:
     sampler_epoch: int | None = None
     plan_skip: int = 0  # batches the plan skipped when it was built (a restore)
     plan: Any = field(default=None, repr=False)  # the IndexPlan, for sampler states
-    # The resume self-check (_workers/selfcheck.py): per slot, the digests of batches received
-    # and not yet yielded, by the slot's batch count; and after a restore, the
-    # (count, digest) each slot's next batch must match.
-    received_digests: list[dict[int, str]] = field(default_factory=list, repr=False)
+    # The resume self-check (_workers/selfcheck.py): after a restore of a checkpoint that
+    # kept them, the (count, digest) each slot's next batch must match.
     expected_digests: list[tuple[int, str] | None] = field(default_factory=list, repr=False)
     # The newest position with one batch fewer yielded than ``position``: the state of
     # "one batch back", for a consumer that reads one batch ahead (Lightning's fetcher;
@@ -206,9 +204,6 @@ class EpochProgress:
     def slots(self) -> int:
         return len(self.position.workers)
 
-    def __post_init__(self) -> None:
-        self.received_digests = [{} for _ in self.position.workers]
-
     def set_epoch_start(self, snapshot: Snapshot) -> None:
         """Record the epoch-start state of the single slot of the main-process
         contract (``Runner.own_epoch_start``), before anything is yielded."""
@@ -224,18 +219,6 @@ class EpochProgress:
         if self.sample_seed is not None:
             msg = replace(msg, seed=self.sample_seed)
         return msg
-
-    def note_digest(self, slot: int, produced: int, digest: str) -> None:
-        self.received_digests[slot][produced] = digest
-
-    def next_digests(self) -> list[tuple[int, str] | None]:
-        """Per slot, the count and digest of its next batch, if it has arrived."""
-        out: list[tuple[int, str] | None] = []
-        for slot, ledger in enumerate(self.position.workers):
-            produced = share_count(ledger) + 1
-            digest = self.received_digests[slot].get(produced)
-            out.append(None if digest is None else (produced, digest))
-        return out
 
     @property
     def workers(self) -> tuple[WorkerLedger, ...]:
@@ -284,11 +267,6 @@ class EpochProgress:
         self._due = (self.position, due)
         if yielded and self.plan is not None:
             self.plan.forget_before(due - self.plan_skip)
-        received = self.received_digests[slot]
-        if received:
-            # A copy of the keys: a pin thread may note a digest meanwhile (_workers/pinning.py).
-            for produced in [p for p in tuple(received) if p <= snapshot.produced]:
-                del received[produced]
 
     def end(self) -> None:
         """Publish that the epoch is over."""
@@ -298,6 +276,15 @@ class EpochProgress:
         self.position = replace(
             self.position, ended=True, sampler_state=self._sampler_state(self.first_due()), skip=0
         )
+
+
+def current_epoch(progress: EpochProgress | None) -> int:
+    """A loader's epoch (``DataLoader.epoch``) when its last epoch is ``progress`` and no
+    checkpoint is loaded: that epoch while it runs, the next one once it ended (what the
+    next ``iter()`` starts, :meth:`EpochStart.after`), 0 before the first."""
+    if progress is None:
+        return 0
+    return progress.epoch + 1 if progress.ended else progress.epoch
 
 
 @dataclass(frozen=True)

@@ -264,10 +264,9 @@ def render(entry: dict[str, Any]) -> list[str]:
             f"epoch {'ended' if entry['epoch_ended'] else 'not ended'}: {entry['next']}"
         )
     if "integrity" in entry:
-        lines.append(
-            f"  integrity    {entry['integrity']}; self-check digests of "
-            f"{entry['self_check_batches']} prefetched batch(es)"
-        )
+        # only an older release's checkpoint holds prefetched batches' digests
+        held = entry["self_check_batches"]
+        lines.append(f"  integrity    {entry['integrity']}" + (f"; self-check digests of {held} prefetched batch(es)" if held else ""))
     source = "the loader's generator" if entry["rng_kind"] == "generator" else "torch's global RNG"
     lines.append(
         f"  sampling     drawn from {source}; worker base seed {entry['base_seed']}; "
@@ -306,7 +305,7 @@ def run_parsed(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         if args.json:
             print(json.dumps({"file": args.checkpoint, "states": entries}, indent=2), file=out)
-            return 0
+            return _status(entries)
         for i, entry in enumerate(entries):
             if i:
                 print("", file=out)
@@ -318,7 +317,14 @@ def run_parsed(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         # exit must not write into the closed pipe either.
         if out is sys.stdout:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    return _status(entries)
+
+
+def _status(entries: list[dict[str, Any]]) -> int:
+    """The exit status (docs/verify.md, "snaploader inspect"): 0 when every loader state
+    shown is intact, 1 when one is not (its integrity INVALID), so that a script can
+    validate a checkpoint by it; 2 (above) when no state could be read at all."""
+    return 1 if any(str(entry.get("integrity", "")).startswith("INVALID") for entry in entries) else 0
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -212,10 +212,15 @@ def _check_resizable(made: torch_data.DataLoader[Any], iterable: bool, topology:
     size = made.batch_size if topology.batch_size is None else topology.batch_size
     workers = made.num_workers if topology.num_workers is None else topology.num_workers
     if (size, workers) == (made.batch_size, made.num_workers):
+        # name only the flags given: the other one is the loader's own by default
+        given = [f"--resume-batch-size {size}"] * (topology.batch_size is not None)
+        given += [f"--resume-workers {workers}"] * (topology.num_workers is not None)
+        own = [f"batch_size={made.batch_size}"] * (topology.batch_size is not None)
+        own += [f"num_workers={made.num_workers}"] * (topology.num_workers is not None)
         raise UsageError(
-            f"--resume-batch-size {size} and --resume-workers {workers} are the loader's own "
-            f"(batch_size={made.batch_size}, num_workers={made.num_workers}): nothing changes at "
-            "resume. Give another value, or drop them for the batch-by-batch check"
+            f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} the loader's own "
+            f"({', '.join(own)}): nothing changes at resume. Give another value, or drop "
+            f"{'it' if len(given) == 1 else 'them'} for the batch-by-batch check"
         )
     if size != made.batch_size and not getattr(made, "in_order", True):
         raise UsageError(

@@ -61,7 +61,6 @@ class WorkerSetup:
     logical: int
     base_seed: int
     options: Options = Options()
-    digests: bool = False  # send each batch's digest (the resume self-check)
     world: tuple[int, int] = (1, 0)  # (world size, rank) a DataPipe is sharded by, read in the main process
 
 
@@ -128,7 +127,6 @@ class Result:
     kind: Kind
     payload: Any
     snapshot: Snapshot
-    digest: str | None = None  # the batch's digest (_workers/selfcheck.py), when asked for
 
 
 # NOTE [ small tensors by value ]
@@ -176,7 +174,7 @@ class _ResultPickler(ForkingPickler):
 def dumps_result(result: Result) -> bytes:
     """Pickle a result for the result pipe (see NOTE [ small tensors by value ])."""
     buffer = io.BytesIO()
-    header = (result.key, result.kind, result.snapshot, result.digest)
+    header = (result.key, result.kind, result.snapshot)
     _ResultPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(header)
     pickler = _ResultPickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dump(result.payload)
@@ -216,11 +214,11 @@ def loads_result(blob: bytes) -> Result:
     Raises :class:`UnreadablePayload` when only the payload fails."""
     stream = io.BytesIO(blob)
     header = pickle.load(stream)
-    if not (isinstance(header, tuple) and len(header) == 4 and isinstance(header[2], Snapshot)):
+    if not (isinstance(header, tuple) and len(header) == 3 and isinstance(header[2], Snapshot)):
         raise TypeError(f"a worker sent a {type(header).__name__} where a result header was due")
-    key, kind, snapshot, digest = header
+    key, kind, snapshot = header
     try:
         payload = pickle.load(stream)  # ForkingPickler's reductions are registered globally
     except Exception as exc:
         raise UnreadablePayload(key, kind, snapshot, exc) from exc
-    return Result(key, kind, payload, snapshot, digest)
+    return Result(key, kind, payload, snapshot)

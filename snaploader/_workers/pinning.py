@@ -20,8 +20,7 @@ unpickles nor pins.
   (``prefetch_factor`` per worker) and the fd budget (NOTE [ fd budget ] in
   ``_workers/process_runner.py``).
 - The ledger is the iterator's, and advances when a batch is yielded, never when it is
-  pinned: the pin thread never touches it (but for the resume self-check's digests of
-  received batches, which the receiver always noted).
+  pinned: the pin thread never touches it.
 - An exception raised while pinning becomes an error answer for that batch, raised at
   its turn like a worker's exception (torch's pin thread wraps it the same way).
 - Warnings that receiving gives (a respawned worker, the RNG census) are given on the

@@ -107,8 +107,6 @@ class Runner(ABC):
         report, census = result.snapshot.report, self.census
         if report is not None and census is not None:
             self._later(lambda: census.note(slot, report))
-        if result.digest is not None and self.progress is not None:
-            self.progress.note_digest(slot, result.snapshot.produced, result.digest)
 
     def _later(self, call: Callable[[], None]) -> None:
         """Run ``call``, which may warn, on the thread that drives this runner (a
@@ -147,8 +145,7 @@ class Runner(ABC):
         return None
 
     def poll(self) -> None:
-        """Take the answers that have already arrived, without waiting (so that a
-        checkpoint can hold the self-check digests of prefetched batches)."""
+        """Take the answers that have already arrived, without waiting."""
 
     @abstractmethod
     def settle(self, timeout_s: float) -> None:

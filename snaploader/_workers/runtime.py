@@ -33,7 +33,6 @@ from .datapipe import is_iter_datapipe, seed_graph, seeded_generators, shard_gra
 from .messages import Kind, Result, Task, WorkerError, WorkerSetup
 from .._state.records import Resume, Snapshot, has_state_protocol
 from .._rng.capture import NativeRng, RngState, capture_rng, restore_rng
-from .selfcheck import batch_digest
 
 # Per-sample states are made this many keys at a time: one NumPy pass per few samples,
 # while the words (7.5 KB a key) stay in the cache the dataset's own work also needs.
@@ -273,8 +272,7 @@ class WorkerRuntime:
             bare = Snapshot(self._capture_rng(), self.produced, complete=not self.setup.iterable,
                             objects=objects, report=report)
             return Result(task.key, Kind.ERROR, WorkerError.capture(exc), bare)
-        digest = batch_digest(payload) if self.setup.digests and kind is Kind.BATCH else None
-        return Result(task.key, kind, payload, snapshot, digest)
+        return Result(task.key, kind, payload, snapshot)
 
     def _fetch_map(self, indices: Any, seed: int | None, key: int) -> Any:
         setup = self.setup

@@ -1,13 +1,19 @@
 """The resume self-check: small digests of the batches a checkpoint did not cover.
 
 A checkpoint taken mid-epoch describes the batches *yielded*; the batches that were
-prefetched but not yet yielded are produced again after a restore. Each worker sends,
-with every batch, a digest of it (computed in the worker, off the main process's
-path), and the checkpoint keeps the digest of each worker's next batch when it had
-already arrived. After a restore, the first batch each worker produces is compared
-with it: a mismatch means that something the checkpoint does not capture changed the
-stream (data changed on disk, or randomness snaploader cannot see), and is worth one
-warning, not an error: the run goes on.
+prefetched but not yet yielded are produced again after a restore. Checkpoints written
+before 2026-12-03 keep, in ``next_batches``, the digest of each worker's next batch when
+it had already arrived. After a restore of one, the first batch each worker produces is
+digested in the main process and compared with it: a mismatch means that something the
+checkpoint does not capture changed the stream (data changed on disk, or randomness
+snaploader cannot see), and is worth one warning, not an error: the run goes on.
+
+This release writes no such digest: which batches had arrived when ``state_dict()`` ran
+depended on timing, and a state must be a function of its position (NOTE [ one state
+per position ] in ``_format/checkpoint.py``). Only yielded batches are determined by a
+position, and checking one after a restore would mean producing it again from the
+state before it, which the checkpoint does not hold (it would double its size).
+``snaploader verify`` is the check for a pipeline's determinism (docs/verify.md).
 
 The digest is a fingerprint, not a hash of every byte: for each tensor its dtype,
 shape and up to ``_EDGE_ELEMENTS`` elements from each end of its flattened values; for
