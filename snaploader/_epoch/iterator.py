@@ -68,6 +68,7 @@ class SnapIterator:
         self.base_seed: int | None = None
         self.closed = False
         self.invalidated = False  # by the loader's load_state_dict(): next() raises
+        self._invalid_why = _INVALIDATED
         self.progress: EpochProgress
         self.mapping: MapDispatch | None = None  # map-style: what is sent where
         self.as_ready = False  # in_order=False with worker processes (_epoch/dispatch.py)
@@ -255,14 +256,14 @@ class SnapIterator:
 
     def __next__(self) -> Any:
         if self.invalidated:
-            raise RuntimeError(_INVALIDATED)
+            raise RuntimeError(self._invalid_why)
         if self.closed or self.progress.ended:
             raise StopIteration
         try:
             return self._next_batch()
         except RunnerClosed:
             # Another thread stopped the workers while this one waited on them.
-            raise RuntimeError(_INVALIDATED if self.invalidated else _CLOSED_WHILE_WAITING) from None
+            raise RuntimeError(self._invalid_why if self.invalidated else _CLOSED_WHILE_WAITING) from None
 
     def _next_batch(self) -> Any:
         try:
@@ -404,10 +405,11 @@ class SnapIterator:
         self.closed = True
         self._stop_workers()
 
-    def invalidate(self) -> None:
-        """The loader loaded another state: stop the workers, and make every later
-        ``next()`` raise rather than go on with a stream the loader no longer reports."""
+    def invalidate(self, why: str = _INVALIDATED) -> None:
+        """The loader loaded another state (or ended its workers): stop the workers, and make
+        every later ``next()`` raise ``RuntimeError(why)``, not go on with a stale stream."""
         self.invalidated = True
+        self._invalid_why = why
         self.close()
 
     def __del__(self) -> None:
