@@ -1,0 +1,98 @@
+"""Lightning's preemption paths with ``ExactResume`` (docs/lightning.md): a checkpoint
+written at an epoch's end (``ModelCheckpoint``'s default moment, resumed with
+``ckpt_path="last"``), which Lightning resumes without loading the loader's state; and
+SLURM's auto-requeue, whose SIGUSR1 handler writes ``hpc_ckpt_N.ckpt`` at any moment of
+a step (the job relaunched with the SLURM variables emulated, in fresh processes:
+tests/_lightning_slurm_child.py). Batches and final weights are compared with the
+uninterrupted run's, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="lightning is not installed (pip install -e '.[integrations]')")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import snaploader  # noqa: E402
+from snaploader.integrations.lightning import ExactResume  # noqa: E402
+
+from ._datasets import Augmented  # noqa: E402
+from ._streams import assert_same_stream  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+_EPOCHS = 3
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Recorder(pl.LightningModule):
+    """Records the batch of every global step; raises at the start of epoch ``stop_at``
+    (after the checkpoint of the epoch before it was written)."""
+
+    def __init__(self, stop_at: int | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(8, 1)
+        self.seen: dict[int, torch.Tensor] = {}
+        self.stop_at = stop_at
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == self.stop_at:
+            raise _Stop
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen[self.global_step] = batch.clone()
+        return self.layer(batch.float()).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader(num_workers: int) -> snaploader.DataLoader:
+    return snaploader.DataLoader(Augmented(24), batch_size=4, shuffle=True, num_workers=num_workers,
+                                 generator=torch.Generator().manual_seed(5))
+
+
+def _fit(num_workers: int, folder: Path, *, stop_at: int | None = None, ckpt_path: str | None = None,
+         exact: bool = True) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    module = _Recorder(stop_at)
+    callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=folder, save_last=True)]  # saves at each epoch's end
+    if exact:
+        callbacks.append(ExactResume())
+    trainer = pl.Trainer(max_epochs=_EPOCHS, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module="lightning")
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        try:
+            trainer.fit(module, train_dataloaders=_loader(num_workers), ckpt_path=ckpt_path)
+        except _Stop:
+            pass
+    return module.seen, module.layer.weight.detach().clone()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("stop_at", [1, 2], ids=["after-epoch0", "after-epoch1"])
+def test_an_epoch_end_checkpoint_resumes_with_the_next_epoch_exactly(tmp_path: Path, num_workers: int, stop_at: int) -> None:
+    expected, final = _fit(num_workers, tmp_path / "whole")
+    assert len(expected) == 6 * _EPOCHS
+    first, _ = _fit(num_workers, tmp_path / "run", stop_at=stop_at)
+    assert sorted(first) == list(range(6 * stop_at))
+    second, weights = _fit(num_workers, tmp_path / "run", ckpt_path="last")
+    assert sorted(second) == list(range(6 * stop_at, 6 * _EPOCHS))
+    merged = first | second
+    assert_same_stream([merged[s] for s in sorted(merged)], [expected[s] for s in sorted(expected)])
+    assert torch.equal(weights, final)
