@@ -96,3 +96,49 @@ def test_an_epoch_end_checkpoint_resumes_with_the_next_epoch_exactly(tmp_path: P
     merged = first | second
     assert_same_stream([merged[s] for s in sorted(merged)], [expected[s] for s in sorted(expected)])
     assert torch.equal(weights, final)
+
+
+_SLURM_ENV = {
+    "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost",
+}
+
+
+def _slurm_run(kind: str, phase: str, folder: Path, moment: str = "none", seed: int = 0) -> dict[str, Any]:
+    stub = folder / "bin" / "scontrol"
+    if not stub.exists():
+        stub.parent.mkdir(parents=True)
+        stub.write_text("#!/bin/sh\nexit 0\n")
+        stub.chmod(0o755)
+    env = os.environ | _SLURM_ENV | {"PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}"}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    child = subprocess.run([sys.executable, "-m", "tests._lightning_slurm_child", kind, phase, str(folder), moment, str(seed)],
+                           env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    killed = phase == "signalled" and child.returncode == -9
+    assert child.returncode == 0 or killed, f"{phase} exited with {child.returncode}:\n{child.stderr[-4000:]}"
+    return torch.load(folder / f"{phase}.pt", weights_only=True)
+
+
+_REFERENCES: dict[str, dict[str, Any]] = {}
+
+
+@pytest.mark.parametrize(
+    "kind, moment, seed",
+    [("map", "training_step", 0), ("map", "on_train_batch_end", 0), ("map", "timer", 1), ("iterable", "training_step", 0), ("iterable", "timer", 2)],
+)
+def test_slurm_requeue_from_a_signal_inside_a_step_resumes_exactly(tmp_path: Path, kind: str, moment: str, seed: int) -> None:
+    if kind not in _REFERENCES:
+        (tmp_path / "reference").mkdir()
+        _REFERENCES[kind] = _slurm_run(kind, "reference", tmp_path / "reference")
+    expected = _REFERENCES[kind]
+    first = _slurm_run(kind, "signalled", tmp_path, moment, seed)
+    hpc = torch.load(tmp_path / "root" / "hpc_ckpt_1.ckpt", weights_only=False)
+    resume_step = hpc["global_step"]
+    assert resume_step in (12, 13, 14)  # the signal came during step 13 (or the fetch after it)
+    second = _slurm_run(kind, "relaunched", tmp_path)
+    assert min(second["seen"]) == resume_step
+    merged = {s: b for s, b in first["seen"].items() if s < resume_step} | second["seen"]
+    assert sorted(merged) == sorted(expected["seen"]) == list(range(20))
+    assert_same_stream([merged[s] for s in sorted(merged)], [expected["seen"][s] for s in sorted(merged)])
+    assert torch.equal(second["weights"], expected["weights"])
