@@ -21,12 +21,13 @@ import torch
 pytest.importorskip("lightning", reason="lightning is not installed (pip install -e '.[integrations]')")
 
 import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
 
 import snaploader  # noqa: E402
 from snaploader.integrations.lightning import ExactResume  # noqa: E402
 
 from ._datasets import Augmented  # noqa: E402
+from ._iterable_datasets import IteratorStateStream  # noqa: E402
 from ._streams import assert_same_stream  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -94,6 +95,52 @@ def test_an_epoch_end_checkpoint_resumes_with_the_next_epoch_exactly(tmp_path: P
     second, weights = _fit(num_workers, tmp_path / "run", ckpt_path="last")
     assert sorted(second) == list(range(6 * stop_at, 6 * _EPOCHS))
     merged = first | second
+    assert_same_stream([merged[s] for s in sorted(merged)], [expected[s] for s in sorted(expected)])
+    assert torch.equal(weights, final)
+
+
+class _FailsInStep(_Recorder):
+    """Raises inside training step ``fail_at`` (after it was given its batch)."""
+
+    def __init__(self, fail_at: int | None) -> None:
+        super().__init__(None)
+        self.fail_at = fail_at
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen[self.global_step] = batch.clone()
+        if self.global_step == self.fail_at:
+            raise _Stop
+        return self.layer(batch[:, :1].float().repeat(1, 8)).pow(2).mean()
+
+
+def _exception_fit(kind: str, folder: Path, *, fail_at: int | None = None, ckpt_path: Path | None = None,
+                   exact: bool = True) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    module = _FailsInStep(fail_at)
+    callbacks: list[pl.Callback] = [OnExceptionCheckpoint(dirpath=folder, filename="on_exception")]
+    if exact:
+        callbacks.append(ExactResume())
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+    dataset = Augmented(24) if kind == "map" else IteratorStateStream(n=24)
+    loader = snaploader.DataLoader(dataset, batch_size=4, shuffle=kind == "map" or None, num_workers=2,
+                                   generator=torch.Generator().manual_seed(5))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        try:
+            trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+        except _Stop:
+            pass
+    return module.seen, module.layer.weight.detach().clone()
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_on_exception_checkpoint_of_an_error_inside_a_step_resumes_exactly(tmp_path: Path, kind: str) -> None:
+    # The step that raised is run again on resume: the loader must give it its batch.
+    expected, final = _exception_fit(kind, tmp_path / "whole")
+    first, _ = _exception_fit(kind, tmp_path / "run", fail_at=8)
+    second, weights = _exception_fit(kind, tmp_path / "resumed", ckpt_path=tmp_path / "run" / "on_exception.ckpt")
+    assert min(second) == 8
+    merged = {s: b for s, b in first.items() if s < 8} | second
     assert_same_stream([merged[s] for s in sorted(merged)], [expected[s] for s in sorted(expected)])
     assert torch.equal(weights, final)
 
