@@ -96,7 +96,7 @@ class ExactResume(Callback):
             # made its iterator from the fresh loader; make it again from the state.
             loaders[0].load_state_dict(state)
             # Lightning sets the sampler's epoch only after this hook; iter() needs it now.
-            _set_sampler_epoch(loaders[0], trainer.fit_loop.epoch_progress.current.processed)
+            _set_sampler_epoch(loaders[0], trainer.current_epoch)
             if trainer.fit_loop._data_fetcher is not None:
                 iter(trainer.fit_loop._data_fetcher)
         if len(loaders) > 1 and any(isinstance(l, DataLoader) and _no_length(l) for l in loaders):
@@ -132,6 +132,11 @@ class ExactResume(Callback):
         loaders = self._loaders(trainer)
         if len(loaders) == 1 and isinstance(loaders[0], DataLoader):
             self._step_end_view = LoaderView.of(loaders[0])  # one read of a published record
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A view holds the loader's live epoch, which does not pickle (ddp_spawn pickles
+        # the callbacks at the next fit).
+        self._step_end_view = None
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
