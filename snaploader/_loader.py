@@ -29,6 +29,7 @@ from ._epoch.resize import part_batches, resized
 from ._state.records import check_own_states, has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count
+from ._lifecycle import LoaderLifecycle
 
 # The type of the batches, as in torch: ``DataLoader[int]`` is valid in annotations.
 _T_co = TypeVar("_T_co", covariant=True)
@@ -45,19 +46,19 @@ _V = TypeVar("_V")
 
 
 class _Option(Generic[_V]):
-    """A loader attribute that reads the option of its name from ``loader.options``."""
+    """A loader attribute that reads the option of its name from ``loader._snaploader_options``."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, loader: Any, owner: type | None = None) -> _V:
-        return getattr(loader.options, self.name)  # type: ignore[no-any-return]
+        return getattr(loader._snaploader_options, self.name)  # type: ignore[no-any-return]
 
     def __set__(self, loader: Any, value: Any) -> None:
         raise AttributeError(f"{self.name} is read-only: build a new loader with {self.name}={value!r:.40}")
 
 
-class DataLoader(torch_data.DataLoader[_T_co]):
+class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore[misc]  # _iterator: _lifecycle.py
     """A drop-in for :class:`torch.utils.data.DataLoader` whose ``state_dict()``, taken
     at any moment, resumes the batch stream bit for bit in a new process.
 
@@ -160,7 +161,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
                 "AssertionError at iter()); use prefetch_factor >= 1"
             )
         state_protocol, self._lossy_protocol = resolve_state_protocol(state_protocol, dataset)
-        self.options = Options.checked(
+        self._snaploader_options = Options.checked(
             num_workers,
             snapshot_every=snapshot_every,
             snapshot_every_n_steps=snapshot_every_n_steps,
@@ -219,7 +220,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             drop_last=self.drop_last,
             collate_fn=self.collate_fn,
             worker_init_fn=self.worker_init_fn,
-            options=self.options,
+            options=self._snaploader_options,
             rng_census=self._rng_census,
             lossy_protocol=self._lossy_protocol,
             in_order=self.in_order,
@@ -265,18 +266,22 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         return iterator
 
     def _next_start(self) -> EpochStart:
+        start, self._pending = self._upcoming_start() or EpochStart(epoch=0), None
+        return start
+
+    def _upcoming_start(self) -> EpochStart | None:
+        """What the next ``iter()`` starts; None for a loader never iterated nor loaded."""
         if self._pending is not None:
-            start, self._pending = self._pending, None
-            return start
+            return self._pending
         previous = self._published.progress
         if previous is None:
-            return EpochStart(epoch=0)
-        return EpochStart.after(previous, self.persistent_workers, self.logical_workers)
+            return None
+        return EpochStart.after(previous, self.persistent_workers, self._snaploader_options.logical_workers)
 
     def _draw_with_sample_seed(self, *, sample_seed: int) -> None:
         """For ``snaploader.distributed``: draw every sample with ``sample_seed`` (the
         epoch a re-partitioned loader reads the rest of) instead of this loader's own."""
-        if not self.seed_per_sample or type(sample_seed) is not int or not 0 <= sample_seed < 2**64:
+        if not self._snaploader_options.seed_per_sample or type(sample_seed) is not int or not 0 <= sample_seed < 2**64:
             raise ValueError(f"sample_seed={sample_seed!r:.40}: expected an int in [0, 2**64), for a loader with seed_per_sample=True")
         self._sample_seed = sample_seed
 
@@ -321,8 +326,8 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         finds, without running them; iterators' generators show up only from workers;
         then those the sampler and batch sampler hold (``sampler.``, ``batch_sampler.``)."""
         roots = [("dataset", self.dataset), ("collate_fn", self.collate_fn), ("worker_init_fn", self.worker_init_fn)]
-        held = [] if self._iterable else sampler_rngs.find(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self.exclude_rngs).kinds()
-        return (self._rng_census.captured() or described(discover(roots, self.exclude_rngs)[0])) + held
+        held = [] if self._iterable else sampler_rngs.find(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self._snaploader_options.exclude_rngs).kinds()
+        return (self._rng_census.captured() or described(discover(roots, self._snaploader_options.exclude_rngs)[0])) + held
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -337,15 +342,15 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             batch_sampler=self.batch_sampler,
             persistent_workers=self.persistent_workers,
             generator=self.generator,
-            seed_per_sample=self.seed_per_sample,
+            seed_per_sample=self._snaploader_options.seed_per_sample,
         )
 
     def _facts(self) -> LoaderFacts:
         return LoaderFacts(
             iterable=self._iterable,
-            logical=self.logical_workers,
-            dataset_has_protocol=self.state_protocol and has_state_protocol(self.dataset),
-            state_protocol=self.state_protocol,
+            logical=self._snaploader_options.logical_workers,
+            dataset_has_protocol=self._snaploader_options.state_protocol and has_state_protocol(self.dataset),
+            state_protocol=self._snaploader_options.state_protocol,
             batches_per_epoch=self._epoch_length(),
         )
 
@@ -355,7 +360,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         with the same arguments, in this process or another."""
         source = RngSource(self.generator)
         seen = self._published.read(source.next_epoch_state)
-        return build_state(self._fingerprint(), seen, source, self.logical_workers)
+        return build_state(self._fingerprint(), seen, source, self._snaploader_options.logical_workers)
 
     def load_state_dict(
         self,
@@ -383,7 +388,7 @@ class DataLoader(torch_data.DataLoader[_T_co]):
         mine = self._fingerprint()
         allowed = frozenset(allow_mismatch) | lightning_rank0_state(state, mine)
         restore = read_state(state, mine, allowed, facts, self.persistent_workers)
-        if self.state_protocol and not restore.checkpoint.ended:
+        if self._snaploader_options.state_protocol and not restore.checkpoint.ended:
             check_own_states(self.dataset, restore.ledgers)
         if not restore.start.in_order and (skip or skip_to is not None):
             raise ValueError(
@@ -400,11 +405,11 @@ class DataLoader(torch_data.DataLoader[_T_co]):
             restore = replace(restore, start=replace(restore.start, skip=total))
         if restore.start.restore_rng is not None:
             announce_replay(
-                restore.ledgers, self.dataset, self.replay, state_protocol=self.state_protocol,
+                restore.ledgers, self.dataset, self._snaploader_options.replay, state_protocol=self._snaploader_options.state_protocol,
                 lossy=self._lossy_protocol, warn=False,
             )
         if not self._iterable and not {"sampler", "batch_sampler"} & allowed:  # its own generators (_epoch/sampler_rngs.py)
-            sampler_rngs.restore(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self.exclude_rngs, restore.checkpoint.sampler_rngs)
+            sampler_rngs.restore(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self._snaploader_options.exclude_rngs, restore.checkpoint.sampler_rngs)
         # An iterator that went on would yield the old stream while state_dict() reports
         # the loaded one: it raises instead (NOTE [ a load before the first next() ], design.md).
         untouched = next((it for it in self._iterators if not it.taken and not it.closed), None)

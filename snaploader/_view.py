@@ -125,4 +125,4 @@ class LoaderView:
         # read now: a view of an ended epoch is read before the next iter() draws.
         rng_next = source.next_epoch_state() if position.ended else None
         seen = Seen(None, progress, position, rng_next)
-        return build_state(loader._fingerprint(), seen, source, loader.logical_workers)
+        return build_state(loader._fingerprint(), seen, source, loader._snaploader_options.logical_workers)

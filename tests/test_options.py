@@ -81,7 +81,7 @@ def test_every_option_is_set_to_a_non_default_value() -> None:
 
 def test_the_loader_keeps_every_option_in_one_record() -> None:
     loader = _loader(num_workers=2)
-    assert loader.options.arguments() == NON_DEFAULT
+    assert loader._snaploader_options.arguments() == NON_DEFAULT
     for name, value in NON_DEFAULT.items():
         assert getattr(loader, name) == value, name  # the documented attributes
 
@@ -89,7 +89,7 @@ def test_the_loader_keeps_every_option_in_one_record() -> None:
 def test_verify_rebuilds_the_loader_with_every_option(tmp_path: Path) -> None:
     loader = _loader(num_workers=2)
     rebuilt = verify_loader.rebuild(loader, loader.dataset, loader.collate_fn)
-    assert rebuilt.options == loader.options
+    assert rebuilt._snaploader_options == loader._snaploader_options
     # And through the target verify is given, as `snaploader verify` imports it.
     target = tmp_path / "pipeline_with_options.py"
     target.write_text(textwrap.dedent(f"""
@@ -101,13 +101,13 @@ def test_verify_rebuilds_the_loader_with_every_option(tmp_path: Path) -> None:
             return _loader(num_workers=2)
     """))
     built = verify_loader.build(f"{target}:make")
-    assert built.loader.options == loader.options
+    assert built.loader._snaploader_options == loader._snaploader_options
 
 
 def test_a_torch_loader_is_verified_with_the_default_options() -> None:
     theirs = torch.utils.data.DataLoader(WhatTheWorkerSees(), batch_size=2, num_workers=2)
     rebuilt = verify_loader.rebuild(theirs, theirs.dataset, theirs.collate_fn)
-    assert rebuilt.options == Options(logical_workers=2)
+    assert rebuilt._snaploader_options == Options(logical_workers=2)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

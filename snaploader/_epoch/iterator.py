@@ -69,7 +69,7 @@ class SnapIterator:
         self._runner_finalizer: weakref.finalize | None = None
         self.base_seed: int | None = None
         self.closed = False
-        self.invalidated = False  # by the loader's load_state_dict(): next() raises
+        self.invalidated: str | None = None  # why next() raises: set by invalidate()
         self.progress: EpochProgress
         self.mapping: MapDispatch | None = None  # map-style: what is sent where
         self.as_ready = False  # in_order=False with worker processes (_epoch/dispatch.py)
@@ -246,7 +246,7 @@ class SnapIterator:
                     runner.send(slot, Task(state.sent, None, self.progress.sample_seed))
                     state.sent += 1
             return
-        if self.mapping is not None:
+        if self.mapping is not None and self.progress.logical > 0:
             self.mapping.top_up(runner, self.progress.first_due())
 
     # -- yielding ------------------------------------------------------------------
@@ -256,7 +256,7 @@ class SnapIterator:
 
     def __next__(self) -> Any:
         if self.invalidated:
-            raise RuntimeError(_INVALIDATED)
+            raise RuntimeError(self.invalidated)
         self.taken = True
         if self.closed or self.progress.ended:
             raise StopIteration
@@ -264,7 +264,7 @@ class SnapIterator:
             return self._next_batch()
         except RunnerClosed:
             # Another thread stopped the workers while this one waited on them.
-            raise RuntimeError(_INVALIDATED if self.invalidated else _CLOSED_WHILE_WAITING) from None
+            raise RuntimeError(self.invalidated or _CLOSED_WHILE_WAITING) from None
 
     def _next_batch(self) -> Any:
         try:
@@ -306,6 +306,8 @@ class SnapIterator:
         as_ready = self.as_ready and not ordered
         if self.mapping is not None:
             first = progress.first_due()
+            if progress.logical == 0:  # torch's num_workers=0 draws a batch's indices in its next()
+                self.mapping.top_up(runner, first)
             if self.mapping.finished(first):
                 return None
             slot = pick(runner, by_position(progress.workers)) if as_ready else first % progress.slots
@@ -402,10 +404,10 @@ class SnapIterator:
         self.closed = True
         self._stop_workers()
 
-    def invalidate(self) -> None:
-        """The loader loaded another state: stop the workers, and make every later
-        ``next()`` raise rather than go on with a stream the loader no longer reports."""
-        self.invalidated = True
+    def invalidate(self, why: str = _INVALIDATED) -> None:
+        """The loader loaded another state (or ended its workers): stop the workers, and make
+        every later ``next()`` raise ``RuntimeError(why)``, not go on with a stale stream."""
+        self.invalidated = why
         self.close()
 
     def __del__(self) -> None:

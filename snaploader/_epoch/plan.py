@@ -158,7 +158,11 @@ class IndexPlan:
     """The batches of indices of one epoch of a map-style dataset, drawn lazily.
 
     The first batch is drawn on construction, so the sampler's own random draws happen
-    at the epoch start (inside :meth:`RngSource.replaying` on restore).
+    at the epoch start (inside :meth:`RngSource.replaying` on restore); each later one
+    when it is taken (a stateful sampler's one batch ahead, see :meth:`take`), as torch's
+    sampler iterator draws it when its batch is asked for: a consumer that stops after
+    the last batch without asking for one more (Lightning) leaves the sampler's end
+    undrawn, and the next epoch's order depends on it.
     """
 
     def __init__(
@@ -208,9 +212,13 @@ class IndexPlan:
         return batch
 
     def take(self) -> Any | None:
-        """The indices of the next batch, or None at the end of the epoch."""
-        batch = self.upcoming
-        if batch is not None:
+        """The indices of the next batch, or None at the end of the epoch. A stateful
+        sampler is drawn one batch ahead, so that a checkpoint after the epoch's last
+        batch knows whether it has anything left (:meth:`sampler_state_before`)."""
+        batch, self.upcoming = self.upcoming, None
+        if batch is None and self.total is None:
+            batch = self._draw()
+        if self.stateful is not None and batch is not None:
             self.upcoming = self._draw()
         return batch
 

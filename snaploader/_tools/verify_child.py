@@ -293,8 +293,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         built_notes, facts = built.notes, {
             "kind": built.kind, "num_workers": loader.num_workers, "recorded": built.recorded,
             "generator": loader.generator is not None, "batch_size": loader.batch_size,
-            "drop_last": loader.drop_last, "seed_per_sample": loader.seed_per_sample,
-            "logical_workers": loader.logical_workers, "persistent_workers": loader.persistent_workers,
+            "drop_last": loader.drop_last, "seed_per_sample": loader._snaploader_options.seed_per_sample,
+            "logical_workers": loader._snaploader_options.logical_workers, "persistent_workers": loader.persistent_workers,
             "items": None if built.kind == "iterable" else _items(loader),
         }
         del loader

@@ -113,7 +113,7 @@ def rebuild(
     shuffle, sampler = (None, None) if custom_batches else _torch_shuffle_and_sampler(loader)
     workers = loader.num_workers if topology.num_workers is None else topology.num_workers
     # snaploader's own options, all of them: a torch loader has none (the defaults).
-    own = loader.options.arguments() if isinstance(loader, DataLoader) else {}
+    own = loader._snaploader_options.arguments() if isinstance(loader, DataLoader) else {}
     if own and own["logical_workers"] == loader.num_workers:
         # The default (None: num_workers), as the factory builds it with another count.
         own["logical_workers"] = None

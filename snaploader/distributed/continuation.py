@@ -71,7 +71,7 @@ class Continuation:
         if states and loader.generator is not None:
             RngSource(loader.generator).set_state(states[rank % len(states)])
         epoch = self.epoch if rest else self.epoch + 1
-        loader._pending = EpochStart(epoch=max(0, epoch), sample_root=self.sample_root if loader.seed_per_sample else None)
+        loader._pending = EpochStart(epoch=max(0, epoch), sample_root=self.sample_root if loader._snaploader_options.seed_per_sample else None)
 
     def to_plain(self) -> dict[str, Any]:
         return {

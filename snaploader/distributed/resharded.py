@@ -112,10 +112,10 @@ def _remainder(make_loader: LoaderFactory, source: Source, rank: int, world_size
         _build(make_loader, RemainderSampler(share(remaining(source), source.deal_size, rank, world_size))), source.after, rank, rest=True,
     )
     _check_source(source, loader)
-    if loader.seed_per_sample != (source.sample_seed is not None):
+    if loader._snaploader_options.seed_per_sample != (source.sample_seed is not None):
         raise CheckpointMismatchError(
             f"seed_per_sample: {source.sample_seed is not None} in the old run's checkpoints / "
-            f"{loader.seed_per_sample} in the loader make_loader built; build it with the old "
+            f"{loader._snaploader_options.seed_per_sample} in the loader make_loader built; build it with the old "
             "run's arguments"
         )
     if source.sample_seed is not None:

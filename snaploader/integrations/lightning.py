@@ -22,10 +22,23 @@ calls on every rank) and read (``on_load_checkpoint``, before the loops are rest
   batch is the last: a checkpoint after step k would hold the state after batch k+1.
   It reads exactly one batch ahead whenever the loader has no length and its epoch is
   live, so the callback saves the state one batch back (``LoaderView.state_as_of``).
+- **A checkpoint taken inside a step.** Lightning's SLURM auto-requeue writes its
+  checkpoint from the SIGUSR1 handler, at any moment (so can ``OnExceptionCheckpoint``
+  after an error in the step): between ``next()`` and the end of the step the loader
+  has yielded the batch of a step that Lightning runs again on resume. The callback
+  saves the state as of the batches Lightning counts as done (its ``batch_progress``,
+  read as its restart logic reads it), one batch back; two back for a loader without
+  length, from the view it kept at the end of the previous step.
 - **The last step of an epoch.** Lightning ends an epoch after ``num_training_batches``
   without asking the loader for one more batch, and resumes a checkpoint of that step
   with the next epoch; the loader, which has not seen its epoch end, would give that
   epoch's (empty) rest first. The callback saves such a state as ended.
+- **A checkpoint at an epoch's end.** Lightning does not load the loader's state when
+  the checkpoint was written after an epoch's last step (``ModelCheckpoint``'s default
+  moment, and ``save_last``): its fit loop is then not "restarting", and a fresh loader
+  would start over with epoch 0's order. The callback loads it at ``on_train_start``
+  and starts the fit loop's iterator again from it (Lightning made it in ``setup_data``,
+  before any hook sees the loader).
 
 Without the callback, a map-style loader under DDP is given rank 0's state on every
 rank; the loader then resumes at rank 0's position with its own samples and warns that
@@ -39,6 +52,7 @@ import warnings
 from typing import Any, Final
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import _set_sampler_epoch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import CombinedLoader
@@ -69,8 +83,22 @@ class ExactResume(Callback):
     loaders give them (a warning says so when one of them has no length).
     """
 
+    def __init__(self) -> None:
+        self._step_end_view: LoaderView | None = None  # the loader at the last step's end
+        self._unloaded: dict[str, Any] | None = None  # a state Lightning may not load
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = self._loaders(trainer)
+        state, self._unloaded = self._unloaded, None
+        if state is not None and not trainer.fit_loop.restarting and len(loaders) == 1 and isinstance(loaders[0], DataLoader):
+            # A checkpoint of an epoch's end: Lightning left the state unloaded (its
+            # _load_combined_loader_states runs only when restarting) and has already
+            # made its iterator from the fresh loader; make it again from the state.
+            loaders[0].load_state_dict(state)
+            # Lightning sets the sampler's epoch only after this hook; iter() needs it now.
+            _set_sampler_epoch(loaders[0], trainer.current_epoch)
+            if trainer.fit_loop._data_fetcher is not None:
+                iter(trainer.fit_loop._data_fetcher)
         if len(loaders) > 1 and any(isinstance(l, DataLoader) and _no_length(l) for l in loaders):
             warnings.warn(
                 "snaploader's ExactResume callback corrects Lightning's one-batch look-ahead "
@@ -100,6 +128,16 @@ class ExactResume(Callback):
             return []
         return list(CombinedLoader(iterables).flattened)
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        loaders = self._loaders(trainer)
+        if len(loaders) == 1 and isinstance(loaders[0], DataLoader):
+            self._step_end_view = LoaderView.of(loaders[0])  # one read of a published record
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # A view holds the loader's live epoch, which does not pickle (ddp_spawn pickles
+        # the callbacks at the next fit).
+        self._step_end_view = None
+
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -108,7 +146,8 @@ class ExactResume(Callback):
         if not states or len(loaders) != 1 or not isinstance(loaders[0], DataLoader):
             return
         # One stateful loader, so Lightning stored one state: the loader's own.
-        states[0] = _consumed_state(LoaderView.of(loaders[0]), trainer.num_training_batches)
+        views = [LoaderView.of(loaders[0]), self._step_end_view]
+        states[0] = _consumed_state(views, _steps_done(trainer), trainer.num_training_batches)
         checkpoint[_KEY] = _every_rank(states[0])
 
     def on_load_checkpoint(
@@ -119,12 +158,24 @@ class ExactResume(Callback):
         if states and saved is not None:
             # Lightning loads ``states`` into the loader after this hook (restore_loops).
             states[0] = _this_rank(saved, "the Lightning checkpoint")
+        self._unloaded = states[0] if states and len(states) == 1 else None
 
 
-def _consumed_state(view: LoaderView, batches_per_epoch: int | float) -> dict[str, Any]:
-    """The loader's state as of the batches the training step consumed."""
-    ahead = _no_length(view.loader) and view.live and view.yielded > 0
-    consumed = view.yielded - 1 if ahead else view.yielded
+def _steps_done(trainer: pl.Trainer) -> int:
+    """The batches of the epoch that Lightning does not run again when it resumes a
+    checkpoint written now: its restart logic (``TrainingEpochLoop.reset``) goes on
+    after ``completed``, or after ``processed`` when the checkpoint was written at the
+    end of a step (``on_train_batch_end``: every count but ``completed`` one ahead)."""
+    current: Any = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker
+    at_step_end = current.ready == current.started == current.processed == current.completed + 1
+    return current.processed if at_step_end else current.completed
+
+
+def _consumed_state(views: list[LoaderView | None], consumed: int, batches_per_epoch: int | float) -> dict[str, Any]:
+    """The loader's state as of the ``consumed`` batches of its epoch that the training
+    step has done: ``views[0]`` is the loader now, ``views[1]`` at the last step's end."""
+    view = views[0]
+    assert view is not None
     if consumed >= batches_per_epoch and view.live:
         # Lightning resumes this checkpoint with the next epoch (and would call iter()
         # on the loader without reading it to its end): so must the loader.
@@ -132,7 +183,20 @@ def _consumed_state(view: LoaderView, batches_per_epoch: int | float) -> dict[st
             return view.state_ending_epoch()
         # limit_train_batches below a map-style loader's length: its format has no
         # epoch ended early, and on_train_start has warned that the resume is not exact.
-    return view.state_as_of(consumed)
+    if not view.live:
+        return view.state_dict()  # an epoch ended (or none begun): nothing is ahead
+    for candidate in views:
+        if candidate is not None and candidate.epoch == view.epoch and consumed in (candidate.yielded, candidate.yielded - 1):
+            return candidate.state_as_of(consumed)
+    warnings.warn(
+        f"snaploader's ExactResume: the checkpoint was written when Lightning had run "
+        f"{consumed} batches of epoch {view.epoch} and the loader had yielded {view.yielded}, "
+        "further apart than the states the loader keeps; the loader's state is saved as it "
+        "is, and a resume from this checkpoint skips the batches in between",
+        UserWarning,
+        stacklevel=2,
+    )
+    return view.state_dict()
 
 
 def _loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | None:
