@@ -3,16 +3,20 @@ and fixtures that start multiprocessing's helper processes before the leak check
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import threading
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 import pytest
 
 
@@ -27,6 +31,30 @@ from ._streams import (  # noqa: F401
     take,
     through_bytes,
 )
+
+
+_HAMMER_JOIN_S = 10.0
+
+
+@contextlib.contextmanager
+def states_meanwhile(loader: Any) -> Iterator[list[dict[str, Any]]]:
+    """``loader.state_dict()`` called again and again from another thread while the
+    block runs (as an async checkpoint writer would); yields the list of states taken."""
+    taken: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            taken.append(loader.state_dict())
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        yield taken
+    finally:
+        stop.set()
+        thread.join(_HAMMER_JOIN_S)
+    assert not thread.is_alive(), f"state_dict() from another thread did not return within {_HAMMER_JOIN_S} s"
 
 
 def free_port() -> int:

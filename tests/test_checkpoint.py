@@ -24,7 +24,7 @@ from snaploader._format.checkpoint import _canonical, joined, piece, resign
 
 from ._datasets import Augmented, StatefulSampler
 from ._fuzz import CONFIGS, Case, assert_resumes, build_case, check_integers, check_one
-from ._support import assert_same_stream, epochs, generator, mp_helpers, through_bytes  # noqa: F401
+from ._support import assert_same_stream, epochs, generator, mp_helpers, states_meanwhile, through_bytes  # noqa: F401
 
 _CASES: dict[str, Case] = {}
 
@@ -92,20 +92,8 @@ def test_state_dict_from_another_thread_always_resumes_exactly(num_workers: int)
     )
     expected = list(make())
     loader = make()
-    taken: list[dict[str, Any]] = []
-    stop = threading.Event()
-
-    def hammer() -> None:
-        while not stop.is_set():
-            taken.append(loader.state_dict())
-
-    thread = threading.Thread(target=hammer)
-    thread.start()
-    try:
+    with states_meanwhile(loader) as taken:
         got = list(loader)
-    finally:
-        stop.set()
-        thread.join()
     assert_same_stream(got, expected)
     # every distinct position sampled resumes the rest of the epoch exactly
     by_position = {(s["epoch"], s["yielded"], s["ended"]): s for s in taken if s["epoch"] == 0}

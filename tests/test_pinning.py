@@ -26,7 +26,7 @@ from snaploader._workers.pinning import THREAD_NAME
 from stress._pin_standin import PinRecord, fake_pinning
 
 from ._datasets import Augmented, Sleepy
-from ._support import assert_same_stream, generator, take, through_bytes
+from ._support import assert_same_stream, generator, states_meanwhile, take, through_bytes
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create"),
@@ -265,20 +265,8 @@ def test_load_state_dict_from_another_thread_while_batches_are_pinned(pinning: P
 
 def test_state_dict_from_another_thread_while_pinning(pinning: PinRecord) -> None:
     source = loader(Augmented(80), pin_memory=True)
-    states: list[dict[str, Any]] = []
-    stop = threading.Event()
-
-    def checkpoint() -> None:
-        while not stop.is_set():
-            states.append(source.state_dict())
-
-    writer = threading.Thread(target=checkpoint)
-    writer.start()
-    try:
+    with states_meanwhile(source) as states:
         batches = list(source)
-    finally:
-        stop.set()
-        writer.join(10.0)
     assert states
     plain = loader(Augmented(80))
     whole, after = list(plain), list(plain)  # a state taken after the end resumes epoch 1
