@@ -292,10 +292,13 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     # checkpoint's wins at resume (docs/quickstart.md, DDP): a re-signed one is an epoch
     # asked for, drawn as asked; no check can tell it from the true one, since no index
     # of the permutation is stored. The digest's to catch too.
+    # With seed_per_sample the epoch number is one of the per-sample seeds' inputs
+    # (NOTE [ per-sample root ]): a re-signed one is an epoch asked for, as the sampler's.
     # Both hold wherever a loader state sits (a ReshardedLoader's holds one under "rest").
+    per_sample = isinstance(mutant.get("fingerprint"), dict) and mutant["fingerprint"].get("seed_per_sample") is True
     users = (
         "data" in path or path[:2] == ("sampler_state", "state") or path == ("workers",)
-        or path[-1:] in (("skip",), ("sampler_epoch",))
+        or path[-1:] in (("skip",), ("sampler_epoch",)) or (per_sample and path == ("epoch",))
     )
     # The per-sample root is a seed as rng_start is a state: any base seed is one.
     rng_words = path[-1] in ("rng", "rng_start", "rng_next", "sample_root") or _object_states_only(old_value, parent.get(key) if isinstance(parent, dict) else None)
