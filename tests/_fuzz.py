@@ -359,7 +359,9 @@ def integer_mutants(state: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         if type(value) is not int or "data" in path or path[:2] == ("sampler_state", "state"):
             continue
         for new in HUGE_AND_NEGATIVE:
-            if new == value:
+            # a base seed is any 63-bit word (NOTE [ per-sample root ]): one in range is
+            # a seed asked for, drawn as asked, not a bad integer
+            if new == value or (path[-1] == "sample_root" and 0 <= new < 2**63):
                 continue
             mutant = copy.deepcopy(state)
             parent = _at(mutant, path[:-1])
