@@ -362,6 +362,15 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         seen = self._published.read(source.next_epoch_state)
         return build_state(self._fingerprint(), seen, source, self._snaploader_options.logical_workers)
 
+    # NOTE [ a load before the first next() ]
+    # load_state_dict makes every iterator of the loader that was already advanced raise
+    # at its next next(): it would yield a stream state_dict() no longer describes. An
+    # iterator that no next() was called on instead starts the loaded epoch at once, as
+    # iter() after the load would (_begin). torchdata loads an iterable dataset's state
+    # before iter(dataset) and its iterator's after it, and a dataset that is its own
+    # iterator (__iter__ returns self) has only the latter; one that reads a nested loader
+    # makes that loader's iterator in __iter__ and hands its state to the loader
+    # afterwards, so this is what lets it resume in torchdata's order.
     def load_state_dict(
         self,
         state: dict[str, Any],
@@ -411,7 +420,7 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         if not self._iterable and not {"sampler", "batch_sampler"} & allowed:  # its own generators (_epoch/sampler_rngs.py)
             sampler_rngs.restore(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self._snaploader_options.exclude_rngs, restore.checkpoint.sampler_rngs)
         # An iterator that went on would yield the old stream while state_dict() reports
-        # the loaded one: it raises instead (NOTE [ a load before the first next() ], design.md).
+        # the loaded one: it raises instead (NOTE [ a load before the first next() ] above).
         untouched = next((it for it in self._iterators if not it.taken and not it.closed), None)
         for iterator in list(self._iterators):
             if iterator is not untouched:

@@ -93,7 +93,7 @@ class SnapIterator:
         if settings is not None:
             self.settings = settings
         settings = self.settings
-        self.taken = False  # next() called this epoch (docs/design.md, a load before the first next())
+        self.taken = False  # next() called this epoch (NOTE [ a load before the first next() ] in _loader.py)
         self.as_ready = not settings.in_order and settings.num_workers > 0
         index_sampler = settings.index_sampler if start.index_sampler is None else start.index_sampler
         sampler_with_epoch = None if settings.iterable else epoch_aware_part(index_sampler)

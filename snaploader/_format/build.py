@@ -105,9 +105,10 @@ def _ledger_to_plain(ledger: WorkerLedger, worker: int) -> tuple[dict[str, Any],
     # The epoch start is kept exactly when resuming starts from it (resume_from: nothing
     # yielded yet, or a replay with no complete snapshot to start from, or an exhausted
     # worker's): half the size with persistent workers, whose epoch start is a full
-    # snapshot. A function of the position, not of how it was reached (NOTE [ one state
-    # per position ]): a ledger restored from a checkpoint that left it out holds no
-    # epoch start, and a fresh one at the same position must not write its own.
+    # snapshot. A function of the position, not of how it was reached
+    # (NOTE [ one state per position ]): a ledger restored from a checkpoint that left
+    # it out holds no epoch start, and a fresh one at the same position must not write
+    # its own.
     needs_start = at is None or (not at.complete and (at.exhausted or ledger.yielded_complete is None))
     start = sealed(ledger.epoch_start, "epoch_start") if needs_start else (None, "null")
     yielded = sealed(at, "yielded")

@@ -57,7 +57,7 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    sampler hold (encoded as a snapshot's objects, _rng/kinds.py): at the
                    epoch start, or for the next epoch when ``ended``
                    (_epoch/sampler_rngs.py); written only when they hold one (absent: None)
-    next_batches   one None per ledger (NOTE [ one state per position ] in checkpoint.py);
+    next_batches   one None per ledger (NOTE [ one state per position ] in _format/checkpoint.py);
                    files written before 2026-12-03 may hold per worker {produced, digest}
                    of its next batch when it had already arrived, still checked after a
                    restore (the resume self-check, _workers/selfcheck.py)
@@ -78,7 +78,7 @@ Layout (version 3; version 2 is read too, see ``checkpoint.READABLE_VERSIONS``):
                    with no complete snapshot, an exhausted worker's last state)
 
 Keys other than these at the top level are not snaploader's (NOTE [ foreign keys ] in
-checkpoint.py): not covered by the digest, not read.
+_format/checkpoint.py): not covered by the digest, not read.
 
 User data (``data``, ``sampler_state.state``) is stored through ``_format/plain.py``'s ``encode``.
 """

@@ -184,8 +184,8 @@ class EpochProgress:
     sample_seed: int | None = None
     # seed_per_sample: the run's per-sample root, the base seed of the loader's first
     # epoch, carried from epoch to epoch and through checkpoints, so that the sample
-    # seed is epoch_seed(root, epoch) whatever persistent_workers (NOTE [ per-sample
-    # root ] in _rng/per_sample.py); None when the option is off.
+    # seed is epoch_seed(root, epoch) whatever persistent_workers
+    # (NOTE [ per-sample root ] in _rng/per_sample.py); None when the option is off.
     sample_root: int | None = None
     # An epoch part resumed with another batch size or dataset length (EpochStart's).
     item_offset: int = 0

@@ -9,8 +9,8 @@ checkpoint does not capture changed the stream (data changed on disk, or randomn
 snaploader cannot see), and is worth one warning, not an error: the run goes on.
 
 This release writes no such digest: which batches had arrived when ``state_dict()`` ran
-depended on timing, and a state must be a function of its position (NOTE [ one state
-per position ] in ``_format/checkpoint.py``). Only yielded batches are determined by a
+depended on timing, and a state must be a function of its position
+(NOTE [ one state per position ] in ``_format/checkpoint.py``). Only yielded batches are determined by a
 position, and checking one after a restore would mean producing it again from the
 state before it, which the checkpoint does not hold (it would double its size).
 ``snaploader verify`` is the check for a pipeline's determinism (docs/verify.md).
