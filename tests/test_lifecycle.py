@@ -90,6 +90,21 @@ def test_a_loader_pickled_mid_epoch_goes_on_as_the_original(num_workers: int, pe
     copy.shutdown_workers()
 
 
+@_CASES
+@_HOW
+def test_an_iterator_does_not_pickle_as_torch_s_does_not(num_workers: int, persistent: bool, how: str) -> None:
+    # Lightning's CombinedLoader test asks for torch's NotImplementedError, and pickling
+    # a frame that holds an iterator must fail, not copy live workers; the loader pickles.
+    reference = _batches(_loader(num_workers, persistent))
+    loader = _loader(num_workers, persistent)
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(NotImplementedError, match="cannot be pickled"):
+        _DUMPS[how](iterator)
+    assert _batches(iterator) == reference[1:]  # the failed attempt changed nothing
+    loader.shutdown_workers()
+
+
 def _workers() -> list[multiprocessing.process.BaseProcess]:
     return [p for p in multiprocessing.active_children() if p.name.startswith("snaploader-worker")]
 

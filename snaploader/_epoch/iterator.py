@@ -88,6 +88,14 @@ class SnapIterator:
 
     # -- epoch start ----------------------------------------------------------------
 
+    def __getstate__(self) -> dict[str, Any]:
+        # As torch's iterators: one holds its workers, pipes and threads. The loader
+        # pickles without its iterators (_lifecycle.py); a copy starts where it stood.
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot be pickled: it holds the loader's workers. Pickle "
+            "the loader instead (it goes without its iterators), or its state_dict()"
+        )
+
     def start_epoch(self, start: EpochStart, settings: LoaderSettings | None = None) -> None:
         """Begin the epoch ``start`` describes; ``settings`` as of this ``iter()``."""
         if settings is not None:
