@@ -93,11 +93,14 @@ class ExactResume(Callback):
         if state is not None and not trainer.fit_loop.restarting and len(loaders) == 1 and isinstance(loaders[0], DataLoader):
             # A checkpoint of an epoch's end: Lightning left the state unloaded (its
             # _load_combined_loader_states runs only when restarting) and has already
-            # made its iterator from the fresh loader; make it again from the state.
-            loaders[0].load_state_dict(state)
-            # Lightning sets the sampler's epoch only after this hook; iter() needs it now.
+            # made its iterator from the fresh loader. Lightning sets the sampler's epoch
+            # only after this hook; the loaded epoch's start needs it now.
             _set_sampler_epoch(loaders[0], trainer.current_epoch)
-            if trainer.fit_loop._data_fetcher is not None:
+            loaders[0].load_state_dict(state)
+            # An iterator not yet next()ed starts the loaded epoch at the load
+            # (NOTE [ a load before the first next() ] in _loader.py); one that was is
+            # invalidated, and Lightning's fetcher must make another.
+            if not LoaderView.of(loaders[0]).live and trainer.fit_loop._data_fetcher is not None:
                 iter(trainer.fit_loop._data_fetcher)
         if len(loaders) > 1 and any(isinstance(l, DataLoader) and _no_length(l) for l in loaders):
             warnings.warn(
