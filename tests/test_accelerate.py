@@ -4,7 +4,6 @@ fresh processes, after a SIGKILL (docs/accelerate.md). Real ``accelerate``."""
 
 from __future__ import annotations
 
-import inspect
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,14 +102,3 @@ def test_bad_inputs_say_what_to_do(accelerator: Accelerator, tmp_path: Path) -> 
     snap_accelerate.prepare(damaged, _loader())
     with pytest.raises(snaploader.CheckpointFormatError, match="not valid JSON"):
         damaged.load_state(str(tmp_path / "saved"))
-
-
-def test_the_sharded_copy_carries_every_option() -> None:
-    # prepare() rebuilds the loader with a sharded batch sampler under several processes;
-    # an option added to DataLoader and not carried would silently reset to its default.
-    keyword_only = [
-        name for name, p in inspect.signature(snaploader.DataLoader.__init__).parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    pytest.importorskip("accelerate", reason="the option list lives in the Accelerate integration")
-    assert sorted(keyword_only) == sorted(snap_accelerate._CARRIED_OPTIONS + snap_accelerate._ALIASES)

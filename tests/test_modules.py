@@ -30,7 +30,7 @@ GROUP_ORDER = (
     "",  # the package's entry points: __init__, __main__, demo
 )
 # Top-level modules that belong to a group without a folder of their own.
-TOP_LEVEL_GROUP = {"_errors": "_errors", "_loader": "_loader", "_lifecycle": "_loader", "_view": "_loader"}
+TOP_LEVEL_GROUP = {"_errors": "_errors", "_loader": "_loader", "_lifecycle": "_loader", "_view": "_loader", "_rebuild": "_loader"}
 
 
 def _modules() -> dict[str, Path]:

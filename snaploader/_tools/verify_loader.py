@@ -18,6 +18,7 @@ from typing import Any
 import torch.utils.data as torch_data
 
 from .._loader import DataLoader
+from .._rebuild import rebuilt
 from .verify_record import RecordingCollate, record_indices
 
 
@@ -77,20 +78,6 @@ def load_factory(target: str) -> Callable[[], Any]:
     return factory  # type: ignore[no-any-return]
 
 
-def _torch_shuffle_and_sampler(loader: torch_data.DataLoader[Any]) -> tuple[bool | None, Any]:
-    """(shuffle, sampler) arguments that rebuild ``loader``'s sampler."""
-    sampler = loader.sampler
-    if isinstance(loader.dataset, torch_data.IterableDataset):
-        return None, None
-    if type(sampler) is torch_data.RandomSampler and not sampler.replacement and (
-        sampler._num_samples is None and sampler.generator is loader.generator
-    ):
-        return True, None
-    if type(sampler) is torch_data.SequentialSampler:
-        return None, None
-    return None, sampler
-
-
 @dataclass(frozen=True)
 class Topology:
     """The batch size and worker count a resumed run is rebuilt with (None: the loader's own)."""
@@ -109,35 +96,12 @@ def rebuild(
 ) -> DataLoader:
     """A snaploader DataLoader with ``loader``'s arguments, ``dataset`` and ``collate_fn``,
     and ``topology``'s batch size and worker count where it gives them."""
-    custom_batches = loader.batch_size is None and loader.batch_sampler is not None
-    shuffle, sampler = (None, None) if custom_batches else _torch_shuffle_and_sampler(loader)
-    workers = loader.num_workers if topology.num_workers is None else topology.num_workers
-    # snaploader's own options, all of them: a torch loader has none (the defaults).
-    own = loader._snaploader_options.arguments() if isinstance(loader, DataLoader) else {}
-    if own and own["logical_workers"] == loader.num_workers:
-        # The default (None: num_workers), as the factory builds it with another count.
-        own["logical_workers"] = None
-    batch_size = loader.batch_size if topology.batch_size is None else topology.batch_size
-    return DataLoader(
-        dataset,
-        batch_size=1 if custom_batches else batch_size,
-        shuffle=shuffle,
-        sampler=sampler,
-        batch_sampler=loader.batch_sampler if custom_batches else None,
-        num_workers=workers,
-        collate_fn=collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=False if custom_batches else loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context if workers else None,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if workers else None,
-        persistent_workers=loader.persistent_workers and workers > 0,
-        pin_memory_device=getattr(loader, "pin_memory_device", ""),
-        in_order=getattr(loader, "in_order", True),
-        **own,
-    )
+    changes: dict[str, Any] = {"collate_fn": collate_fn}
+    if topology.num_workers is not None:
+        changes["num_workers"] = topology.num_workers
+    if topology.batch_size is not None and loader.batch_size is not None:
+        changes["batch_size"] = topology.batch_size
+    return rebuilt(loader, dataset, **changes)
 
 
 @dataclass

@@ -42,7 +42,7 @@ import json
 import os
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,20 +56,8 @@ from torch.utils.data.distributed import DistributedSampler
 from ..distributed.dcp import state_from_json
 from .._errors import CheckpointFormatError
 from .._loader import DataLoader
-from .._state.options import Options
+from .._rebuild import rebuilt
 from .._view import LoaderView
-
-# torch's keyword-only arguments and snaploader's own options (all of them: the fields of
-# Options) that the sharded copy carries over; snapshot_every_n_steps is an alias of
-# snapshot_every, which carries its value.
-_CARRIED_OPTIONS = (
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory_device",
-    "in_order",
-    *(field.name for field in fields(Options)),
-)
-_ALIASES = ("snapshot_every_n_steps",)
 
 # Per accelerator: the snaploader loaders prepared on it, in order (their index names
 # their checkpoint files).
@@ -268,19 +256,7 @@ def _sharded(accelerator: Accelerator, loader: DataLoader) -> DataLoader:
         split_batches=accelerator.split_batches,
         even_batches=accelerator.even_batches,
     )
-    options = {name: getattr(loader, name) for name in _CARRIED_OPTIONS}
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=shard,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=generator,
-        **options,
-    )
+    return rebuilt(loader, batch_sampler=shard, generator=generator)
 
 
 __all__ = ["PreparedLoader", "prepare"]
