@@ -1,4 +1,4 @@
-"""plan.py: the batches of indices of an epoch, skipping, stateful samplers, and the
+"""_epoch/plan.py: the batches of indices of an epoch, skipping, stateful samplers, and the
 RNG source an epoch draws from."""
 
 from __future__ import annotations

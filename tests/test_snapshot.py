@@ -1,5 +1,5 @@
-"""snapshot.py: the RNG states a worker resumes from, encoded as bytes, and the check
-that a dataset's state is plain checkpoint data."""
+"""_rng/capture.py and _rng/raw.py: the RNG states a worker resumes from, encoded as
+bytes; _format/plain.py: the check that a dataset's state is plain checkpoint data."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""state.py and DataLoader.state_dict()/load_state_dict(): plain data, size, never
-talking to a worker, validation of malformed checkpoints and fingerprint checks."""
+"""DataLoader.state_dict()/load_state_dict() (_format/build.py, _format/parse.py): plain
+data, size, never talking to a worker, validation of malformed checkpoints and
+fingerprint checks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The stress scripts run in a ``.[cpu]`` install (torch, numpy, cloudpickle, psutil):
-each imports without pytest, hypothesis, mypy or the optional packages (matplotlib and
-torchdata for the benchmark are optional: it says so and goes on without them)."""
+each imports without pytest, hypothesis, mypy or the optional packages (torchdata
+for the benchmark is optional: it says so and goes on without it)."""
 
 from __future__ import annotations
 

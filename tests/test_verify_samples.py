@@ -15,10 +15,9 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from snaploader._tools.verify_diagnose import CutResult
+from snaploader._tools.verify_compare import CutResult, compare, plan
 from snaploader._tools.verify_loader import Topology, UsageError, build
 from snaploader._tools.verify_record import Unsplittable, sample_digests
-from snaploader._tools.verify_samples import compare, plan
 
 from .test_verify import PIPELINES, flat, verify
 

@@ -19,7 +19,7 @@ a file that changes). This command finds out, in fresh processes, as a restart w
     else a resumed run differs: in its sample indices -> the sampler's state is not
       captured; in its values -> randomness or state snaploader does not capture
     (--resume-batch-size/--resume-workers: resumed into another topology, compared
-    sample by sample; _tools/verify_samples.py)
+    sample by sample; _tools/verify_compare.py)
 
 Every run is a child process (``_tools/verify_child.py``) in its own session, killed with its
 workers when it outlives ``--timeout-s``; the state files live in a temporary folder
@@ -38,15 +38,15 @@ import sys
 import tempfile
 import textwrap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from . import verify_samples
+from . import verify_compare
 from .verify_child import Cut
-from .verify_diagnose import (
+from .verify_compare import (
     CutResult,
     after,
     diagnose_source,
@@ -247,7 +247,7 @@ def _verify_in(
     def resume(cut: CutResult) -> CutResult:
         expected = after(reference["batches"], cut.position)
         progress.step(f"resume from cut {','.join(cut.labels)} ({cut.where}) in a fresh process")
-        plan = {} if topology is None else {"plan": verify_samples.plan(reference, cut, topology)}
+        plan = {} if topology is None else {"plan": verify_compare.plan(reference, cut, topology)}
         result = runner.run({"mode": "resume", "state_path": cut.state_path, "start": list(cut.position),
                              "kill_worker": options.kill_worker, "expected": len(expected), **into, **plan},
                             "resume")
@@ -259,7 +259,7 @@ def _verify_in(
         cut.notes = tuple(f"cut {','.join(cut.labels)}: {note}" for note in result["notes"]
                           if note not in reference["notes"])
         if topology is not None:
-            verify_samples.compare(reference, cut, result, topology)
+            verify_compare.compare(reference, cut, result, topology)
             return cut
         cut.got = result["batches"]
         cut.difference = first_difference(expected, cut.got)
@@ -278,7 +278,7 @@ def _verify_in(
     stable = rerun["ok"] and first_difference(reference["batches"], rerun["batches"]) is None
     failed = [c for c in results if c.failed]
     if topology is not None and stable and failed:
-        source = verify_samples.diagnose(reference, results, topology)
+        source = verify_compare.diagnose(reference, results, topology)
     else:
         source = "" if stable and not failed else diagnose_source(
             reference, rerun, results, lambda seed: runner.run(rerun_job(folder), "rerun", seed), progress.step, pool
@@ -326,7 +326,7 @@ def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutRes
         checked = [c for c in cuts if not c.empty]
         compared = sum(c.compared for c in checked)
         if checked and options.topology is not None:
-            print("\n" + verify_samples.summary(cuts, options.topology), file=out)
+            print("\n" + verify_compare.summary(cuts, options.topology), file=out)
         elif checked:
             print(f"\nresumes exactly: {compared} batches compared after {len(checked)} cut"
                   f"{'s' if len(checked) != 1 else ''}, every one identical to the uninterrupted run; "
@@ -358,22 +358,49 @@ def _report(options: VerifyOptions, reference: dict[str, Any], cuts: list[CutRes
     print(_wrap(source, "  => ", "     "), file=out)
 
 
+def _add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume-batch-size", type=at_least(1), default=None, metavar="N",
+                        help="resume each cut into a loader with this batch_size and compare sample by sample")
+    parser.add_argument("--resume-workers", type=at_least(0), default=None, metavar="N",
+                        help="resume each cut into a loader with this num_workers and compare sample by sample")
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number, ``least`` or more."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} should be {least} or more")
+        return value
+    return parse
+
+
+def topology_from(args: argparse.Namespace) -> Topology | None:
+    if args.resume_batch_size is None and args.resume_workers is None:
+        return None
+    return Topology(args.resume_batch_size, args.resume_workers)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="MODULE:FACTORY",
                         help="a function that returns your loader (a snaploader or torch DataLoader); "
                              "MODULE is a dotted module name or a path to a .py file")
-    parser.add_argument("--epochs", type=verify_samples.at_least(1), default=2, help="epochs in each run (default 2)")
-    parser.add_argument("--max-batches", type=verify_samples.at_least(1), default=64,
+    parser.add_argument("--epochs", type=at_least(1), default=2, help="epochs in each run (default 2)")
+    parser.add_argument("--max-batches", type=at_least(1), default=64,
                         help="at most this many batches per epoch (default 64)")
     parser.add_argument("--cuts", default=None,
                         help=f"where to checkpoint, comma-separated: a batch count, first, mid, end or "
                              f"boundary, each optionally @EPOCH (default {DEFAULT_CUTS})")
     parser.add_argument("--kill-worker", action="store_true",
                         help="SIGKILL a worker during each resumed run, after its first batch (needs num_workers >= 1)")
-    parser.add_argument("--jobs", type=verify_samples.at_least(1), default=2, help="runs at a time (default 2)")
+    parser.add_argument("--jobs", type=at_least(1), default=2, help="runs at a time (default 2)")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="seconds one run may take before it is killed (default 600)")
-    verify_samples.add_arguments(parser)
+    _add_topology_arguments(parser)
 
 
 def options_from(args: argparse.Namespace) -> VerifyOptions:
@@ -392,7 +419,7 @@ def options_from(args: argparse.Namespace) -> VerifyOptions:
         raise UsageError(f"target {args.target!r} should be MODULE:FACTORY, e.g. mypackage.data:make_loader "
                          "or path/to/pipeline.py:make_loader")
     return VerifyOptions(args.target, args.epochs, args.max_batches, texts, args.cuts is not None,
-                         args.kill_worker, args.jobs, args.timeout_s, verify_samples.topology_from(args))
+                         args.kill_worker, args.jobs, args.timeout_s, topology_from(args))
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -21,7 +21,7 @@ Protocol (JOB -> OUT):
   digests and, for map-style datasets, the sample indices), ``epochs`` (batches read
   and whether it ended, per epoch), ``saved`` (cut label -> state file), ``notes``.
 - With ``topology`` (``{"batch_size", "num_workers"}``, None for the loader's own; see
-  ``_tools/verify_samples.py``): the reference run checks that the loader can be
+  ``_tools/verify_compare.py``): the reference run checks that the loader can be
   resumed into it and compared sample by sample (a usage error if not), and both modes
   add to each batch record ``samples``, the digests of each of its samples. The resume
   builds the loader in that topology, loads with ``allow_mismatch=("batch_size",)``,

@@ -28,17 +28,14 @@ What it measures (``docs/performance.md`` explains the method and each number):
   through its state and by replay, to the first batch, with a simulated 5 ms read per
   sample, beside a fresh epoch's first batch (snaploader's and torch's).
 
-Outputs in ``--out``: ``results.json`` (every number, every repeat), ``results.md``
-(the tables for docs/performance.md), ``throughput_vs_workers.png`` (needs
-matplotlib), and a readable table on stdout. Targets are reported as met or MISSED,
-never asserted: the exit status is 0 whatever the timings.
+Outputs: ``results.json`` in ``--out`` (every number, every repeat) and plain tables on
+stdout. Nothing is asserted: the exit status is 0 whatever the timings.
 
 The package holds one concern a module: ``config`` (the sizes of a run),
 ``workloads`` (the datasets), ``contenders`` (the loaders compared), one module per
 measure (``throughput`` with first-batch latency and CPU time, ``memory``'s sampler
 beside it, ``snapshot``, ``state_dict``, ``training_loop``, ``seed_per_sample``, ``restore``, ``shards``),
-``targets`` (the limits each run is read against, apart from the measures),
-``report`` and ``plot`` (the renderings), and ``__main__`` (the orchestration,
+``report`` (the printed tables), and ``__main__`` (the orchestration,
 ``run()``, and the command line, ``main()``). Probes shared with the other stress
 scripts live in ``stress/_probes.py``.
 """

@@ -1,6 +1,5 @@
 """The benchmark's orchestration and command line: runs every measure of a Config in
-order, evaluates the targets, writes results.json, results.md and the plot, and prints
-the readable table. ``python stress/bench.py`` and ``python -m stress.bench`` (from the
+order, writes results.json and prints the tables. ``python stress/bench.py`` and ``python -m stress.bench`` (from the
 repository root) both land in ``main()`` here; the package's docstring says what is
 measured."""
 
@@ -26,15 +25,13 @@ import torch
 from . import __doc__ as _PACKAGE_DOC
 from .config import Config
 from .contenders import available, find_contenders
-from .plot import plot_throughput
-from .report import render_markdown, render_text
+from .report import render_text
 from .pinning import PIN_WORKERS, measure_pinning
 from .restore import measure_restore
 from .seed_per_sample import measure_seed_per_sample
 from .shards import measure_shards
 from .snapshot import measure_snapshot
 from .state_dict import measure_state_dict
-from .targets import evaluate_targets
 from .throughput import measure_workload, run_trial
 from .training_loop import measure_training_loop
 from .workloads import WORKLOADS, TinyItems, calibrate_compute_rounds
@@ -52,8 +49,8 @@ def _plain_json(value: Any) -> Any:
 
 
 def run(config: Config, out_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every measurement of ``config``; writes results.json, results.md and the plot
-    into ``out_dir`` and returns the report."""
+    """Every measurement of ``config``; writes results.json into ``out_dir`` and returns
+    the report."""
     with warnings.catch_warnings():
         # W=4 on 2 cores is on purpose; torchdata's deprecation notice is not ours
         warnings.filterwarnings("ignore", message=".*worker processes in total.*")
@@ -170,14 +167,11 @@ def _run(config: Config, out_dir: Path, log: Callable[[str], None]) -> dict[str,
     )
     report["timing_s"]["shards"] = time.perf_counter() - t0
 
-    report["targets"] = [asdict(t) for t in evaluate_targets(report)]
-    report["plot"] = plot_throughput(report, out_dir / "throughput_vs_workers.png")
     report["meta"]["loadavg_end"] = list(os.getloadavg())
     report["timing_s"]["total"] = time.time() - started
     (out_dir / "results.json").write_text(
         json.dumps(_plain_json(report), indent=1, allow_nan=False) + "\n"
     )
-    (out_dir / "results.md").write_text(render_markdown(report))
     return report
 
 
@@ -196,10 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(config, args.out)
     print()
     print(render_text(report))
-    if report.get("plot_skipped"):
-        print(f"\nplot skipped: {report['plot_skipped']}")
-    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'results.md'}"
-          + (f", {args.out / report['plot']}" if report.get("plot") else ""))
+    print(f"\nwrote {args.out / 'results.json'}")
     print(f"took {report['timing_s']['total']:.0f} s")
     return 0
 

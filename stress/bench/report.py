@@ -1,24 +1,17 @@
-"""The report's two renderings: the markdown tables docs/performance.md shows, and the
-readable table printed on stdout. Both read only the report dict (results.json)."""
+"""The tables printed on stdout at the end of a run; they read only the report dict
+(results.json)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .shards import shards_markdown
-from .state_dict import describe_pipeline
+from .shards import shards_text
 
 
 def _fmt(value: Any, spec_: str = ".1f") -> str:
     if value is None or (isinstance(value, float) and value != value):
         return "n/a"
     return format(value, spec_)
-
-
-def _position_name(label: str, k: int, total: int) -> str:
-    if label in ("early", "late"):
-        return f"{label} ({k / total:.0%})" if label == "late" else label
-    return label
 
 
 def _latency(summary: dict[str, float]) -> str:
@@ -31,25 +24,6 @@ def _loop_loaders(report: dict[str, Any]) -> tuple[list[str], str]:
     measured = [c for c in names if report["contenders"][c]["skipped"] is None]
     skipped = [f"{c} not measured ({report['contenders'][c]['skipped']})" for c in names if c not in measured]
     return measured, "; ".join(skipped)
-
-
-def _state_dict_markdown(report: dict[str, Any]) -> list[str]:
-    if not report.get("state_dict"):
-        return []
-    lines = [
-        "",
-        "| state_dict() | W | dataset length | pipeline | batches (epochs) | cold µs (median / p99 / max)"
-        " | warm µs (median / p99 / max) | own time, cold / warm µs (p99 / max) | calls that waited for a CPU"
-        " | torch.save size KB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in report["state_dict"]:
-        lines.append(
-            f"| {r['loader']} | {r['workers']} | {r['dataset_len']:,} | {describe_pipeline(r)} | "
-            f"{r['steps']} ({r['epochs']}) | {_latency(r['cold'])} | {_latency(r['warm'])} | "
-            f"{_own(r)} | {_waited(r)} | {_fmt(r['size_bytes'] / 1024)} |"
-        )
-    return lines
 
 
 def _own(row: dict[str, Any]) -> str:
@@ -69,35 +43,6 @@ def _waited(row: dict[str, Any]) -> str:
     return f"{row['cold_waited_calls']} of {len(row['cold_us'])} / {row['warm_waited_calls']} of {len(row['warm_us'])}"
 
 
-def _loop_markdown(report: dict[str, Any]) -> list[str]:
-    if not report.get("training_loop"):
-        return []
-    stateful, skipped = _loop_loaders(report)
-    lines = [
-        "",
-        "| training loop, state_dict() after every step | W | steps | torch steps/s | "
-        + " | ".join(
-            f"{c} steps/s without / with | {c} with / without | {c} main-process CPU µs a step without / with"
-            for c in stateful
-        ) + " |",
-        "|" + " --- |" * (4 + 3 * len(stateful)),
-    ]
-    for r in report["training_loop"]:
-        cells = [
-            f"{_fmt(r['loaders'][c]['without_sps'])} / {_fmt(r['loaders'][c]['with_sps'])} | "
-            f"{_fmt(r['loaders'][c]['with_over_without'], '.3f')}× | "
-            f"{_fmt(r['loaders'][c].get('without_main_cpu_us'), '.0f')} / {_fmt(r['loaders'][c].get('with_main_cpu_us'), '.0f')}"
-            for c in stateful
-        ]
-        lines.append(
-            f"| {describe_pipeline(r)} | {r['workers']} | {r['steps']} | "
-            f"{_fmt(r['loaders'].get('torch', {}).get('without_sps'))} | " + " | ".join(cells) + " |"
-        )
-    if skipped:
-        lines += ["", f"Training loop: {skipped}."]
-    return lines
-
-
 def _seed_rows(report: dict[str, Any]) -> list[tuple[str, dict[str, Any], list[str]]]:
     """(W, row, the loaders measured, torch and snaploader first) of the
     seed_per_sample measure."""
@@ -110,37 +55,6 @@ def _states_line(states: dict[str, Any], unit: str) -> str:
     return (f"a sample's states alone {_fmt(states['global_us'])} {unit} (3 global RNGs),"
             f" {_fmt(states['with_3_objects_us'])} {unit} with 3 generator objects;"
             f" the ordinary seeders measured alongside, {unit} a call: {ordinary}")
-
-
-def _seed_markdown(report: dict[str, Any]) -> list[str]:
-    rows = _seed_rows(report)
-    if not rows:
-        return []
-    measured = report["seed_per_sample"]
-    names = rows[0][2]
-    slash = " / ".join(names)
-    lines = [
-        "",
-        f"seed_per_sample=True: {measured['items']:,} items, batch {measured['batch_size']}, shuffle, each item"
-        " drawing one value from each of the 3 global RNGs; µs per sample (wall, first batch to last) and"
-        " the workers' CPU µs per sample; added = with the option less without, per repeat, median;"
-        f" {_states_line(measured['states'], 'µs')}.",
-        "",
-        f"| seed_per_sample=True | W | µs/sample ({slash}) | × torch ({slash}) | added µs/sample"
-        f" | workers' CPU µs/sample ({slash}) | added workers' CPU µs/sample |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for w, row, _ in rows:
-        loaders = row["loaders"]
-        workers = w != "0"
-        lines.append(
-            f"| per sample | {w} | " + " / ".join(_fmt(loaders[n]["wall_us"]) for n in names)
-            + " | " + " / ".join(_fmt(loaders[n].get("wall_over_torch"), ".2f") for n in names)
-            + f" | {_fmt(row.get('added_wall_us'), '+.1f')} | "
-            + (" / ".join(_fmt(loaders[n]["worker_cpu_us"]) for n in names) if workers else "— (no workers)")
-            + f" | {_fmt(row.get('added_worker_cpu_us'), '+.1f') if workers else '—'} |"
-        )
-    return lines
 
 
 def _seed_text(report: dict[str, Any]) -> list[str]:
@@ -216,117 +130,13 @@ def _loop_text(report: dict[str, Any]) -> list[str]:
     return out
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    """The tables docs/performance.md shows, from one run."""
-    tw = str(report["config"]["table_workers"])
-    names = [c for c in report["config"]["contenders"] if report["contenders"][c]["skipped"] is None]
-    others = [c for c in names if c != "torch"]
-    total_s = report.get("timing_s", {}).get("total")  # how long the whole run took
-    lines = [
-        f"Run: {report['meta']['started']} · mode `{report['config']['mode']}` · "
-        f"{report['meta']['cpus']} CPUs · torch {report['meta']['torch']} · "
-        + " · ".join(f"{c} {report['contenders'][c]['version']}" for c in others)
-        + f" · median of {report['config']['repeats']} interleaved repeats · num_workers={tw}"
-        + (f" · took {total_s / 60:.1f} min" if total_s is not None else ""),
-        "",
-    ]
-    skipped = [f"{c}: {v['skipped']}" for c, v in report["contenders"].items() if v["skipped"]]
-    if skipped:
-        lines += ["Not measured: " + "; ".join(skipped), ""]
-    slash = " / ".join(names)
-    lines += [
-        f"| workload | torch batches/s | "
-        + " | ".join(f"{c} × torch" for c in others)
-        + f" | first batch ms ({slash}) | main CPU µs/batch ({slash})"
-        f" | worker CPU µs/batch ({slash}) | peak RSS MB ({slash}) | PSS MB ({slash})"
-        f" | main process peak fds ({slash}) | snapshot µs/batch (after a batch / in a loop) |",
-        "|" + " --- |" * (9 + len(others)),
-    ]
-    for name, entry in report["workloads"].items():
-        row = entry["by_workers"].get(tw, {})
-        if not row:
-            continue
-        lines.append(
-            f"| {name} | {_fmt(row['torch']['throughput_bps'])} | "
-            + " | ".join(f"{_fmt(row[c]['ratio_to_torch'], '.2f')}×" for c in others)
-            + " | " + " / ".join(_fmt(row[c]["first_batch_ms"]) for c in names)
-            + " | " + " / ".join(_fmt(row[c]["cpu_us_per_batch"], ".0f") for c in names)
-            + " | " + " / ".join(_fmt(row[c]["worker_cpu_us_per_batch"], ".0f") for c in names)
-            + " | " + " / ".join(_fmt(row[c]["peak_rss_mb"], ".0f") for c in names)
-            + " | " + " / ".join(_fmt(row[c]["end_pss_mb"], ".0f") for c in names)
-            + " | " + " / ".join(_fmt(row[c].get("peak_fds"), ".0f") for c in names)
-            + f" | {_fmt(entry.get('snapshot', {}).get('snapshot_after_batch_us'))}"
-            + f" / {_fmt(entry.get('snapshot', {}).get('snapshot_us'))} |"
-        )
-    inline = report["workloads"].get("tiny", {}).get("by_workers", {}).get("0", {})
-    if "torch" in inline and others:
-        lines += [
-            "",
-            "| num_workers=0, tiny items | torch batches/s | "
-            + " | ".join(f"{c} × torch" for c in others) + " |",
-            "|" + " --- |" * (2 + len(others)),
-            f"| batch 64, a Python int per item | {_fmt(inline['torch']['throughput_bps'])} | "
-            + " | ".join(f"{_fmt(inline[c]['ratio_to_torch'], '.2f')}×" for c in others if c in inline)
-            + " |",
-        ]
-    lines += _state_dict_markdown(report) + _loop_markdown(report) + _seed_markdown(report)
-    pinning = report.get("pinning")
-    if pinning:
-        rates = pinning["throughput_bps"]
-        lines += [
-            "",
-            f"| `pin_memory=True`, stand-in pin {pinning['pin_ms']:g} ms, step {pinning['step_ms']:g} ms, "
-            f"W={pinning['workers']} | torch batches/s | snaploader batches/s | snaploader × torch (per repeat) |",
-            "| --- | --- | --- | --- |",
-            f"| {pinning['batches']} steps, median of {pinning['repeats']} | {_fmt(rates['torch'])} | "
-            f"{_fmt(rates['snaploader'])} | {pinning['ratio_to_torch']:.2f}× "
-            f"({', '.join(f'{r:.2f}' for r in pinning['ratios'])}) |",
-        ]
-    restore = report.get("restore")
-    if restore:
-        pos = restore["positions"]
-        total = restore["batches_per_epoch"]
-        lines += [
-            "",
-            f"Restore: {restore['items']:,} items, batch {restore['batch_size']}, shuffle, "
-            f"W={restore['workers']}; load_state_dict() to first batch, resuming after batch "
-            + ", ".join(f"{k} ({label})" for label, k in pos.items()) + f" of {total}.",
-            "",
-            "| loader | cold start ms | "
-            + " | ".join(f"{_position_name(label, k, total)} ms" for label, k in pos.items())
-            + " | late / early | restored batch exact |",
-            "|" + " --- |" * (len(pos) + 4),
-        ]
-        for c, e in restore["loaders"].items():
-            if "early_ms" in e:
-                exact = "yes" if all(e[f"{label}_batch_matches"] for label in pos) else "NO"
-                lines.append(
-                    f"| {c} | {_fmt(e['cold_ms'])} | "
-                    + " | ".join(_fmt(e[f"{label}_ms"]) for label in pos)
-                    + f" | {_fmt(e['late_over_early'], '.2f')} | {exact} |"
-                )
-            else:
-                lines.append(f"| {c} | {_fmt(e['cold_ms'])} |" + " — |" * (len(pos) + 2))
-    if report.get("shards"):
-        lines += shards_markdown(report["shards"])
-    if report.get("targets"):
-        lines += ["", "| target | measured | limit | met |", "| --- | --- | --- | --- |"]
-        for t in report["targets"]:
-            note = f" ({t['note']})" if t["note"] else ""
-            lines.append(
-                f"| {t['name']}{note} | {_fmt(t['measured'], '.2f')} {t['unit']} |"
-                f" {t['op']} {t['limit']:g} {t['unit']} | {'met' if t['met'] else '**missed**'} |"
-            )
-    if report.get("plot"):
-        lines += ["", f"![throughput vs num_workers]({report['plot']})"]
-    return "\n".join(lines) + "\n"
-
-
 def render_text(report: dict[str, Any]) -> str:
     """The readable table for stdout."""
     tw = str(report["config"]["table_workers"])
     out = []
     names = [c for c in report["config"]["contenders"] if report["contenders"][c]["skipped"] is None]
+    out += [f"{c}: not measured, {report['contenders'][c]['skipped']}" for c in report["config"]["contenders"]
+            if c not in names]
     out.append(f"Per workload, num_workers={tw}, median of {report['config']['repeats']} repeats")
     header = (
         f"{'workload':9s} {'loader':11s} {'batches/s':>10s} {'x torch':>8s} {'1st ms':>8s}"
@@ -376,14 +186,5 @@ def render_text(report: dict[str, Any]) -> str:
                          f"  exact {all(e[f'{label}_batch_matches'] for label in restore['positions'])}")
             out.append(line)
     if report.get("shards"):
-        out += shards_markdown(report["shards"])
-    if report.get("targets"):
-        out.append("")
-        out.append("Targets")
-        for t in report["targets"]:
-            note = f"; {t['note']}" if t["note"] else ""
-            out.append(
-                f"  [{'met' if t['met'] else 'MISSED':6s}] {t['name']}: {t['measured']:.2f} {t['unit']}"
-                f" (target {t['op']} {t['limit']:g} {t['unit']}{note})"
-            )
+        out += shards_text(report["shards"])
     return "\n".join(out)

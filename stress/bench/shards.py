@@ -132,27 +132,25 @@ def measure_shards(
     return result
 
 
-def shards_markdown(measured: dict[str, Any]) -> list[str]:
-    """The row of results.md: time to the first batch, and each against torch's fresh epoch."""
+def shards_text(measured: dict[str, Any]) -> list[str]:
+    """The printed rows: time to the first batch, and each against torch's fresh epoch."""
     ms = measured["ms"]
     torch_ms = ms["torch"]
     exact = measured["exact"]
-
-    def cell(case: str) -> str:
-        return f"{ms[case]:.0f} ({ms[case] / torch_ms:.2f}×)"
-
+    rows = [("torch, fresh epoch", "torch", None), ("snaploader, fresh epoch", "fresh", None),
+            ("resumed by state", "state", exact["state"]),
+            ("resumed by replay (state_protocol=False)", "replay", exact["replay"])]
     return [
         "",
-        f"Shard stream: {measured['shards']} tar shards × {measured['per_shard']} samples, "
+        f"Shard stream: {measured['shards']} tar shards x {measured['per_shard']} samples, "
         f"shuffle buffer {measured['buffer']}, batch {measured['batch_size']}, W={measured['workers']}, "
         f"{measured['read_ms']:g} ms a sample read; resumed after batch {measured['resume_after']} "
-        f"of {measured['batches_per_epoch']}. ms to the first batch (× torch's fresh epoch).",
-        "",
-        "| torch, fresh epoch | snaploader, fresh epoch | resumed by state | resumed by replay "
-        "(`state_protocol=False`) | resumed batch exact (state / replay) |",
-        "| --- | --- | --- | --- | --- |",
-        f"| {torch_ms:.0f} | {cell('fresh')} | {cell('state')} | {cell('replay')} | "
-        f"{'yes' if exact['state'] else 'NO'} / {'yes' if exact['replay'] else 'NO'} |",
+        f"of {measured['batches_per_epoch']}",
+        f"  {'to the first batch':41s} {'ms':>7s} {'x torch':>8s}  resumed batch exact",
+    ] + [
+        f"  {label:41s} {ms[case]:7.0f} {ms[case] / torch_ms:8.2f}"
+        + ("" if same is None else f"  {'yes' if same else 'NO'}")
+        for label, case, same in rows
     ]
 
 
@@ -170,7 +168,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*worker processes in total.*")
     measured = measure_shards(*config.shards, config.shards_read_ms, config.shards_fraction,
                               config.shards_repeats, config.seed)
-    print("\n".join(shards_markdown(measured)))
+    print("\n".join(shards_text(measured)))
 
 
 if __name__ == "__main__":
