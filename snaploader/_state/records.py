@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from .._rng.capture import NativeRng
-    from .ledger import WorkerLedger
     from .._rng.objects import RngReport
 
 
@@ -87,18 +86,18 @@ def has_state_protocol(obj: Any) -> bool:
     )
 
 
-def check_own_states(dataset: Any, ledgers: Iterable[WorkerLedger]) -> None:
+def check_own_states(dataset: Any, snapshots: Iterable[Snapshot | None]) -> None:
     """Run the dataset's optional ``check_state(state, owner)`` on each worker state a
-    mid-epoch checkpoint holds for it (``owner``: ``"dataset"`` or ``"iterator"``), in
+    mid-epoch checkpoint holds for it (``snapshots``: each ledger's last and last
+    complete snapshot; ``owner``: ``"dataset"`` or ``"iterator"``), in
     the main process, so that a state the dataset refuses (taken over other data, say)
     raises at ``load_state_dict()``, before anything forks, rather than in a worker."""
     check = getattr(dataset, "check_state", None)
     if not callable(check):
         return
-    for ledger in ledgers:
-        for snapshot in {id(s): s for s in (ledger.yielded, ledger.yielded_complete) if s is not None}.values():
-            if snapshot.data_owner is not None and snapshot.complete:
-                check(snapshot.data, snapshot.data_owner)
+    for snapshot in {id(s): s for s in snapshots if s is not None}.values():
+        if snapshot.data_owner is not None and snapshot.complete:
+            check(snapshot.data, snapshot.data_owner)
 
 
 def resolve_state_protocol(option: Any, dataset: Any) -> tuple[bool, str | None]:
