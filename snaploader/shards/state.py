@@ -5,13 +5,27 @@ loops on a bad cursor."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._errors import CheckpointFormatError, CheckpointMismatchError
 
-if TYPE_CHECKING:
-    from .stream import ShardStream, Split, Work
+# One unit of a worker's work: (shard index, offset of its first sample, how many
+# samples to read from there; -1 to the end of the shard).
+Work = tuple[int, int, int]
+Split = tuple[int, int, int, int]  # rank, world size, worker, workers
+
+
+class Stream(Protocol):
+    """What a state is checked against: the stream it is loaded into."""
+
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def urls(self) -> Sequence[str]: ...
+    @property
+    def shuffle_buffer(self) -> int: ...
 
 _KEYS = ("shards", "seed", "split", "plan", "item", "offset", "left", "buffer", "draws")
 
@@ -50,7 +64,7 @@ def _ints(value: Any, key: str, size: int) -> tuple[int, ...]:
     return tuple(value)
 
 
-def read_state(state: Any, stream: ShardStream, split: Split | None) -> ShardState:
+def read_state(state: Any, stream: Stream, split: Split | None) -> ShardState:
     """``state`` checked against ``stream``; ``split``, when given, is the worker's own,
     which a state taken in another split (another world size) does not fit."""
     if not isinstance(state, dict) or set(state) != set(_KEYS):

@@ -39,15 +39,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .._errors import CheckpointMismatchError
 from .files import Opener, default_open, open_shard
-from .state import read_state
+from .state import Split, Work, read_state
 from .tar import samples
 
 __all__ = ["ShardIterator", "ShardStream", "Work"]
 
-# One unit of a worker's work: (shard index, offset of its first sample, how many
-# samples to read from there; -1 to the end of the shard).
-Work = tuple[int, int, int]
-Split = tuple[int, int, int, int]  # rank, world size, worker, workers
 
 _MASK64: Final = (1 << 64) - 1
 _GOLDEN: Final = 0x9E3779B97F4A7C15
