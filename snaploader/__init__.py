@@ -23,6 +23,7 @@ from ._errors import (
 )
 from .distributed.dcp import DcpState, dcp_state
 from ._loader import DataLoader
+from .mixture import Mixture
 from . import distributed
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointMismatchError",
     "DataLoader",
     "DcpState",
+    "Mixture",
     "ReplayRefusedError",
     "ResumeMismatchWarning",
     "StateNotPlainDataError",

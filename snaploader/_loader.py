@@ -14,6 +14,8 @@ import torch.utils.data as torch_data
 
 from ._format.build import build_state, loaded_state
 from ._format.codec import read_state
+from ._format.consumed import consumed_of, unrebuilt
+from ._format.parse import parse
 from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
 from ._format.schema import LoaderFacts
 from ._epoch.iterator import SnapIterator
@@ -23,7 +25,7 @@ from ._state.ledger import EpochProgress, EpochStart, current_epoch
 from ._state.replay import announce_replay
 from ._state.published import Publisher
 from ._rng.objects import RngCensus, described, discover
-from ._epoch.plan import stateful_part
+from ._epoch.plan import check_sampler_resume, stateful_part
 from ._epoch import sampler_rngs
 from ._epoch.resize import part_batches, resized
 from ._state.records import check_own_states, has_state_protocol, resolve_state_protocol
@@ -56,6 +58,20 @@ class _Option(Generic[_V]):
 
     def __set__(self, loader: Any, value: Any) -> None:
         raise AttributeError(f"{self.name} is read-only: build a new loader with {self.name}={value!r:.40}")
+
+
+def _own_sampler(dataset: Any, shuffle: bool | None, sampler: Any, batch_sampler: Any, generator: Any) -> Any:
+    """The sampler a dataset brings for itself (a Mixture's, which orders its own
+    epochs) when the user gave neither ``sampler`` nor ``batch_sampler``; ``sampler`` otherwise."""
+    make = getattr(dataset, "__snaploader_sampler__", None)
+    if make is None or sampler is not None or batch_sampler is not None:
+        return sampler
+    if shuffle:
+        raise ValueError(
+            f"shuffle=True with a {type(dataset).__name__}: it orders its own samples (a seeded "
+            "blend of its sources, each in a shuffled order), so leave shuffle out"
+        )
+    return make(generator)
 
 
 class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore[misc]  # _iterator: _lifecycle.py
@@ -135,6 +151,7 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         logical_workers: int | None = None,
         seed_per_sample: bool = False,
     ) -> None:
+        sampler = _own_sampler(dataset, shuffle, sampler, batch_sampler, generator)
         super().__init__(
             dataset,
             batch_size,
@@ -362,6 +379,18 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         seen = self._published.read(source.next_epoch_state)
         return build_state(self._fingerprint(), seen, source, self._snaploader_options.logical_workers)
 
+    def consumed(self) -> dict[str, Any]:
+        """What the current epoch has consumed, rebuilt from :meth:`state_dict`'s position
+        (nothing is recorded sample by sample): ``epoch``, ``ended``, ``batches`` (yielded
+        or skipped), ``skipped``, ``indices`` (the dataset indices of those batches, or None
+        with the reason in ``indices_unknown``) and ``sources`` (a Mixture's per-source
+        ledger, None otherwise). ``snaploader inspect CKPT --consumed`` prints the same from
+        a checkpoint file. See docs/mixtures.md, "What was consumed"."""
+        checkpoint = parse(self.state_dict())
+        stateful = None if self._iterable else stateful_part(self._index_sampler)
+        unknown = None if self._iterable else unrebuilt(self._index_sampler, self.generator)
+        return consumed_of(checkpoint, getattr(stateful, "_snaploader_consumed", None), unknown)
+
     # NOTE [ a load before the first next() ]
     # load_state_dict makes every iterator of the loader that was already advanced raise
     # at its next next(): it would yield a stream state_dict() no longer describes. An
@@ -397,6 +426,8 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         mine = self._fingerprint()
         allowed = frozenset(allow_mismatch) | lightning_rank0_state(state, mine)
         restore = read_state(state, mine, allowed, facts, self.persistent_workers)
+        if not self._iterable:
+            check_sampler_resume(self._index_sampler, restore.checkpoint.sampler_state, allowed)
         if self._snaploader_options.state_protocol and not restore.checkpoint.ended:
             check_own_states(self.dataset, (s for ledger in restore.ledgers for s in (ledger.yielded, ledger.yielded_complete)))
         if not restore.start.in_order and (skip or skip_to is not None):

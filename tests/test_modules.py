@@ -27,6 +27,7 @@ GROUP_ORDER = (
     "_loader",
     "distributed",
     "shards",
+    "mixture",
     "_tools",
     "integrations",
     "",  # the package's entry points: __init__, __main__, demo

@@ -146,6 +146,24 @@ def stateful_part(index_sampler: Any) -> Any | None:
     return None
 
 
+def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[str]) -> None:
+    """Let a stateful sampler that checks its own resume (a Mixture's: its weights and
+    sources) see the checkpoint's state of it and ``allow_mismatch`` before anything is
+    loaded; refuse ``allow_mismatch`` names that only such a sampler checks when this
+    loader's has no such check. ``position``: the checkpoint's ``SamplerPosition`` or None."""
+    stateful = stateful_part(index_sampler)
+    check = getattr(stateful, "_snaploader_check_resume", None)
+    if check is None:
+        if "weights" in allowed:
+            raise ValueError(
+                f"allow_mismatch names 'weights', which only a Mixture's sampler checks; this "
+                f"loader's sampler is {type(index_sampler).__name__}: leave 'weights' out"
+            )
+        return
+    if position is not None:
+        check(position.state, allowed)
+
+
 def epoch_aware_part(index_sampler: Any) -> Any | None:
     """The sampler with ``set_epoch`` (DistributedSampler and kin), if any."""
     for obj in (index_sampler, getattr(index_sampler, "sampler", None)):

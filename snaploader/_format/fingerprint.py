@@ -40,6 +40,9 @@ DISTRIBUTED_FIELDS: Final = {"num_replicas": int, "rank": int, "shuffle": bool, 
 # is another stream, so it must not load silently into a loader without it, or back.
 DEFAULTED_KEYS: Final = {"seed_per_sample": False}
 CHECKED_KEYS: Final = FINGERPRINT_KEYS + OPTIONAL_KEYS + tuple(DEFAULTED_KEYS)
+# Checked by a stateful sampler itself when it has ``_snaploader_check_resume``
+# (a Mixture's: its weights and sources, mixture/state.py), not by the fingerprint.
+SAMPLER_CHECKED_KEYS: Final = ("weights",)
 
 # Recorded, never a mismatch: the processes do not define the stream, the logical
 # workers do, and a checkpoint resumes exactly with any num_workers (docs/elastic.md).
@@ -71,11 +74,11 @@ class Fingerprint:
 def check_fingerprint(saved: Mapping[str, Any], mine: Fingerprint, allowed: frozenset[str]) -> None:
     """Raise :class:`CheckpointMismatchError` showing both sides of each difference
     between the checkpoint's fingerprint ``saved`` and this loader's, unless allowed."""
-    unknown = allowed - set(CHECKED_KEYS)
+    unknown = allowed - set(CHECKED_KEYS) - set(SAMPLER_CHECKED_KEYS)
     if unknown:
         raise ValueError(
             f"allow_mismatch names {sorted(unknown)}, which are not checked; "
-            f"the checked names are {list(CHECKED_KEYS)}"
+            f"the checked names are {list(CHECKED_KEYS + SAMPLER_CHECKED_KEYS)}"
         )
     lines = mine.mismatches(saved, allowed)
     if lines:

@@ -25,9 +25,11 @@ from typing import Any, Final, TextIO
 import torch
 
 from .._errors import CheckpointFormatError
+from .._format.consumed import consumed_of
 from .._format.checkpoint import FORMAT, MAX_DEPTH, READABLE_VERSIONS, Checkpoint, check_depth
 from .._format.parse import parse
 from .._state.ledger import WorkerLedger
+from ..mixture.mixture import consumed_by_source
 
 _RNG_NAMES: Final = ("python random", "numpy", "torch")
 
@@ -206,8 +208,20 @@ def load(path: str) -> Any:
         raise InspectError(f"{path} could not be read with torch.load(weights_only=True): {lines[0]:.300}") from None
 
 
-def inspect(path: str, key: str | None) -> list[dict[str, Any]]:
-    """One entry per loader state found: {key, size_bytes, **summarize(state)}."""
+def consumed(state: dict[str, Any]) -> dict[str, Any]:
+    """What the state's epoch has consumed (``_format/consumed.py``), a Mixture's
+    per-source ledger included, as ``loader.consumed()`` gives it."""
+    checkpoint, _ = _parsed(state)
+    by_source = consumed_by_source if checkpoint.fingerprint["sampler"] == "MixtureSampler" else None
+    try:
+        return consumed_of(checkpoint, by_source)
+    except CheckpointFormatError as exc:
+        raise InspectError(f"the loader state's Mixture sampler state is malformed: {exc}") from None
+
+
+def inspect(path: str, key: str | None, with_consumed: bool = False) -> list[dict[str, Any]]:
+    """One entry per loader state found: {key, size_bytes, **summarize(state)}, and
+    ``consumed`` (:func:`consumed`) when asked."""
     checkpoint = load(path)
     if key:
         found = follow(checkpoint, key)
@@ -233,7 +247,10 @@ def inspect(path: str, key: str | None) -> list[dict[str, Any]]:
             check_depth(state)
         except CheckpointFormatError as exc:
             raise InspectError(str(exc)) from None
-        entries.append({"key": where, "size_bytes": size_bytes(state), **summarize(state)})
+        entry = {"key": where, "size_bytes": size_bytes(state), **summarize(state)}
+        if with_consumed:
+            entry["consumed"] = consumed(state)
+        entries.append(entry)
     return entries
 
 
@@ -285,6 +302,26 @@ def render(entry: dict[str, Any]) -> list[str]:
         for row in rows:
             cells = [f"{cell:<{width}}" for cell, width in zip(row, widths)]
             lines.append("    " + "  ".join(cells + [row[-1]]))
+    if "consumed" in entry:
+        lines += _render_consumed(entry["consumed"])
+    return lines
+
+
+def _shown(items: list[int], most: int = 12) -> str:
+    head = ", ".join(map(str, items[:most]))
+    return f"[{head}{', ...' if len(items) > most else ''}]"
+
+
+def _render_consumed(done: dict[str, Any]) -> list[str]:
+    lines = [f"  consumed     epoch {done['epoch']}: {done['batches']} batches behind the position "
+             f"({done['skipped']} of them skipped)"]
+    if done["indices"] is not None:
+        lines.append(f"               indices ({len(done['indices'])}): {_shown(done['indices'])}")
+    else:
+        lines.append(f"               indices not rebuilt: {done['indices_unknown']}")
+    for name, source in (done["sources"] or {}).items():
+        passes = "; ".join(f"pass {p}: {len(items)} items {_shown(items, 6)}" for p, items in source["passes"].items())
+        lines.append(f"               source {name}: {source['samples']} samples; {passes}")
     return lines
 
 
@@ -294,11 +331,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dotted path of the loader state in the checkpoint (e.g. loader, "
                              "state.loaders.0); by default every loader state in the file is shown")
     parser.add_argument("--json", action="store_true", help="print JSON, for scripts")
+    parser.add_argument("--consumed", action="store_true",
+                        help="also what the epoch consumed: the dataset indices behind the position, and a "
+                             "Mixture's items per source and pass (JSON: in full)")
 
 
 def run_parsed(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
-        entries = inspect(args.checkpoint, args.key)
+        entries = inspect(args.checkpoint, args.key, args.consumed)
     except InspectError as exc:
         print(f"snaploader inspect: {' '.join(str(exc).split())}", file=err)
         return 2
