@@ -427,7 +427,8 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         allowed = frozenset(allow_mismatch) | lightning_rank0_state(state, mine)
         restore = read_state(state, mine, allowed, facts, self.persistent_workers)
         if not self._iterable:
-            check_sampler_resume(self._index_sampler, restore.checkpoint.sampler_state, allowed)
+            checkpoint = restore.checkpoint
+            check_sampler_resume(self._index_sampler, checkpoint.sampler_state, allowed, checkpoint.in_order or checkpoint.ended)
         if self._snaploader_options.state_protocol and not restore.checkpoint.ended:
             check_own_states(self.dataset, (s for ledger in restore.ledgers for s in (ledger.yielded, ledger.yielded_complete)))
         if not restore.start.in_order and (skip or skip_to is not None):

@@ -288,3 +288,41 @@ def test_items_carry_their_source_name_when_asked() -> None:
     mixture = Mixture({"a": Ids(0, 5), "b": Ids(1, 5)}, {"a": 1.0, "b": 1.0}, samples_per_epoch=6, seed=0, with_source=True)
     names, items = next(iter(DataLoader(mixture, batch_size=6)))
     assert all(NAMES[int(x) // 10**6] == name for name, x in zip(names, items))
+
+
+def test_reshard_of_a_mixture_goes_on_from_where_the_old_ranks_stood() -> None:
+    from snaploader.distributed import reshard
+
+    big = {"a": [0, 2000], "b": [1, 2000], "c": [2, 2000]}
+    shape = {"sources": big, "samples_per_epoch": 240, "batch_size": 4}
+    reference = flat(take(build(spec(**shape)), None))
+    old = [build(spec(**shape, rank=r, world_size=2)) for r in range(2)]
+    its = [iter(loader) for loader in old]
+    before = [x for _ in range(6) for it in its for x in next(it).tolist()]
+    states = [loader.state_dict() for loader in old]
+
+    def make_loader(sampler: Any) -> DataLoader:
+        loader = build(spec(**shape))
+        return loader if sampler is None else DataLoader(
+            loader.dataset, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(0))
+
+    new = [reshard(states, make_loader, rank=r, world_size=3) for r in range(3)]
+    after = [x for loader in new for batch in loader for x in batch.tolist()]
+    assert sorted(before + after) == sorted(reference[: len(before) + len(after)])
+    assert len(set(before + after)) == len(before + after) == 240  # 192 left: 64 a rank
+    # its state resumes again, on yet another world size
+    assert reshard([loader.state_dict() for loader in new], make_loader, rank=0, world_size=1).loaders
+    with pytest.raises(CheckpointMismatchError, match="lack rank"):
+        reshard(states[:1], make_loader, rank=0, world_size=3)
+    take(old[0], 1)
+    with pytest.raises(CheckpointMismatchError, match="one training step"):
+        reshard([old[0].state_dict(), states[1]], make_loader, rank=0, world_size=3)
+
+
+def test_another_world_size_refuses_an_out_of_order_mid_epoch_checkpoint() -> None:
+    shape = {"samples_per_epoch": 240, "batch_size": 4}
+    mixture = build(spec(**shape)).dataset
+    loader = DataLoader(mixture, batch_size=4, num_workers=2, in_order=False, sampler=mixture.sampler(rank=0, world_size=2))
+    take(loader, 3)
+    with pytest.raises(CheckpointMismatchError, match="in_order=False"):
+        build(spec(**shape, rank=0, world_size=3)).load_state_dict(loader.state_dict())

@@ -146,11 +146,13 @@ def stateful_part(index_sampler: Any) -> Any | None:
     return None
 
 
-def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[str]) -> None:
+def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[str], prefix: bool) -> None:
     """Let a stateful sampler that checks its own resume (a Mixture's: its weights and
     sources) see the checkpoint's state of it and ``allow_mismatch`` before anything is
     loaded; refuse ``allow_mismatch`` names that only such a sampler checks when this
-    loader's has no such check. ``position``: the checkpoint's ``SamplerPosition`` or None."""
+    loader's has no such check. ``position``: the checkpoint's ``SamplerPosition`` or
+    None; ``prefix``: whether the batches behind the position are the epoch's first ones
+    (not so mid-epoch with ``in_order=False``)."""
     stateful = stateful_part(index_sampler)
     check = getattr(stateful, "_snaploader_check_resume", None)
     if check is None:
@@ -161,7 +163,7 @@ def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[s
             )
         return
     if position is not None:
-        check(position.state, allowed)
+        check(position.state, allowed, prefix)
 
 
 def epoch_aware_part(index_sampler: Any) -> Any | None:

@@ -41,6 +41,7 @@ from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.checkpoint import check_depth, sha256_of
 from .._loader import DataLoader
 from .continuation import continued, read_to_end
+from .stream_world import is_stream_world, reshard_stream
 from .rules import (
     Source, World, check_reached, gather, hosted, new_batch_size, rebatch_allowed, remaining, require_in_order,
     sampler_for, share,
@@ -310,11 +311,21 @@ def reshard(
     a rank missing or given twice,
     checkpoints of different epochs or loaders, a sampler that is not torch's
     DistributedSampler, a hosting world whose ranks stand at different steps, a new
-    batch size not allowed."""
+    batch size not allowed.
+
+    A Mixture's checkpoints (its sampler deals one stream to the ranks) need none of
+    that: ``make_loader(None)`` must build the loader over the mixture, and each new rank
+    goes on from where the old ranks stood (``distributed/stream_world.py``)."""
     if type(world_size) is not int or type(rank) is not int or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} and world_size={world_size!r}: expected ints with 0 <= rank < world_size")
     rebatch = rebatch_allowed(allow_mismatch)
     flat, during = _unwrap(states)
+    if not during and is_stream_world(flat):  # a Mixture's: one stream, any world size
+        loader = reshard_stream(flat, make_loader, rank, world_size)
+        return ReshardedLoader(
+            mode="hosting", rank=rank, world_size=world_size, make_loader=make_loader, combine=combine,
+            loaders=[loader], epoch=loader.epoch, logical_ranks=(rank,),
+        )
     if during:
         source, state = _resume_during(during, len(states), rank, world_size)
         loader = _remainder(make_loader, source, rank, world_size)

@@ -15,6 +15,7 @@ from typing import Any, Union
 
 import torch.utils.data as torch_data
 
+from .._errors import CheckpointMismatchError
 from .blend import choose, pass_key, permuted, uniform
 from .state import Cursor, Schedule, Weights, check_resume, checked_weights, read_state
 
@@ -221,11 +222,24 @@ class MixtureSampler(torch_data.Sampler[int]):
             "sources": {name: cursor.plain() for name, cursor in self._cursors.items()},
         }
 
-    def _snaploader_check_resume(self, state: Any, allow_mismatch: Iterable[str]) -> None:
+    def _snaploader_for_rank(self, rank: int, world_size: int) -> MixtureSampler:
+        """This mixture's sampler for another rank and world size (``reshard``'s)."""
+        return MixtureSampler(self.mixture, rank=rank, world_size=world_size, generator=self.generator)
+
+    def _snaploader_check_resume(self, state: Any, allow_mismatch: Iterable[str], prefix: bool) -> None:
         """Called by ``DataLoader.load_state_dict`` with the checkpoint's state of this
-        sampler, before anything is loaded (``mixture/state.py``'s ``check_resume``)."""
+        sampler, before anything is loaded (``mixture/state.py``'s ``check_resume``).
+        Another world size needs the batches behind the position to be the first ones
+        (``prefix``): the ones after it that were yielded out of order are counted in
+        the old world's batches, which another world does not have."""
         saved = read_state(state)
         mixture = self.mixture
+        if saved.world[1] != self.world_size and not prefix:
+            raise CheckpointMismatchError(
+                f"the checkpoint was taken on {saved.world[1]} rank(s) mid-epoch with in_order=False; this "
+                f"loader is one of {self.world_size}. Another world size resumes a checkpoint taken with "
+                "in_order=True, or at an epoch's end"
+            )
         check_resume(saved, mixture.seed, mixture.lengths, mixture.weights_at(saved.drawn),
                      mixture.schedule is not None, allow_mismatch)
 
