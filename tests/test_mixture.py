@@ -322,7 +322,8 @@ def test_reshard_of_a_mixture_goes_on_from_where_the_old_ranks_stood() -> None:
 def test_another_world_size_refuses_an_out_of_order_mid_epoch_checkpoint() -> None:
     shape = {"samples_per_epoch": 240, "batch_size": 4}
     mixture = build(spec(**shape)).dataset
-    loader = DataLoader(mixture, batch_size=4, num_workers=2, in_order=False, sampler=mixture.sampler(rank=0, world_size=2))
+    loader = DataLoader(mixture, batch_size=4, num_workers=2, in_order=False, sampler=mixture.sampler(rank=0, world_size=2),
+                        generator=torch.Generator().manual_seed(0))
     take(loader, 3)
     with pytest.raises(CheckpointMismatchError, match="in_order=False"):
         build(spec(**shape, rank=0, world_size=3)).load_state_dict(loader.state_dict())
