@@ -25,9 +25,9 @@ from ._state.ledger import EpochProgress, EpochStart, current_epoch
 from ._state.replay import announce_replay
 from ._state.published import Publisher
 from ._rng.objects import RngCensus, described, discover
-from ._epoch.plan import check_sampler_resume, stateful_part
+from ._epoch.plan import another_world, check_sampler_resume, stateful_part
 from ._epoch import sampler_rngs
-from ._epoch.resize import part_batches, resized
+from ._epoch.resize import part_batches, resized, reworlded
 from ._state.records import check_own_states, has_state_protocol, resolve_state_protocol
 from ._rng.capture import RngSource
 from ._format.skip import skip_count
@@ -369,6 +369,7 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
             dataset_has_protocol=self._snaploader_options.state_protocol and has_state_protocol(self.dataset),
             state_protocol=self._snaploader_options.state_protocol,
             batches_per_epoch=self._epoch_length(),
+            counted_elsewhere=None if self._iterable else lambda position: another_world(self._index_sampler, position) is not None,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -440,6 +441,8 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
             )
         if not self._iterable and restore.start.restore_rng is not None:
             restore = replace(restore, start=resized(restore.start, restore.checkpoint.fingerprint, mine, self._index_sampler))
+            if (world := another_world(self._index_sampler, restore.checkpoint.sampler_state)) is not None:
+                restore = replace(restore, start=reworlded(restore.start, *world))
         extra = skip_count(restore.start, skip, skip_to, self._epoch_length(restore.start))
         if extra:
             total = restore.start.skip + extra

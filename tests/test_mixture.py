@@ -162,12 +162,45 @@ def test_a_world_size_change_loses_and_repeats_nothing() -> None:
     new = [build(spec(2, sources=big, samples_per_epoch=240, batch_size=4, rank=r, world_size=3)) for r in range(3)]
     for r, loader in enumerate(new):
         loader.load_state_dict(states[r])  # any old rank's: they stand at one position
-    after = [x for loader in new for x in flat(take(loader, None))]
+    rests = [take(loader, None) for loader in new]
+    after = [x for rest in rests for x in flat(rest)]
+    # the new world counts the rest of the epoch in its own batches (14 a rank, not the
+    # old world's 15 minus 5), and the state at its end loads on this world or another
+    assert [len(rest) for rest in rests] == [14, 14, 14]
+    ended = new[0].state_dict()
+    for world_size in (3, 2):
+        again = build(spec(sources=big, samples_per_epoch=240, batch_size=4, rank=0, world_size=world_size))
+        again.load_state_dict(ended)
+        assert again.epoch == 1 and again.batches_remaining() == len(again) == 240 // world_size // 4
     assert len(set(before + after)) == len(before + after), "a sample repeats"
     # the rest of the epoch is the stream's next draws, dealt to 3 ranks (one draw left
     # over for the next epoch: 160 draws left, 53 per rank)
     assert sorted(before + after) == sorted(reference[: len(before) + len(after)])
     assert len(before) + len(after) == 240 - 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_world_too_large_for_what_is_left_ends_the_epoch_and_draws_the_next(num_workers: int) -> None:
+    big = {"a": [0, 2000], "b": [1, 2000], "c": [2, 2000]}
+    shape = {"sources": big, "samples_per_epoch": 240, "batch_size": 4}
+    stream = flat(take(build(spec(**{**shape, "batch_size": 1})), None, epochs=1))  # draws 0..479
+    old = [build(spec(**shape, rank=r, world_size=4)) for r in range(4)]
+    its = [iter(loader) for loader in old]
+    for _ in range(14):  # of 15 batches: 16 draws left, fewer than one a rank of 20
+        for it in its:
+            next(it)
+    new = build(spec(num_workers, **shape, rank=0, world_size=20))
+    new.load_state_dict(old[0].state_dict())
+    assert new.batches_remaining() == 0
+    assert take(new, None) == []
+    assert new.epoch == 1
+    # the next epoch goes on with the stream's next draws: rank 0 of 20 takes draws
+    # 224, 244, ... (the old world made 224; the 16 left over are the next epoch's)
+    assert flat(take(new, None)) == stream[224::20][:12]
+    # an epoch that ended on this world (3 batches) loads on one of 3 ranks (20 a rank)
+    other = build(spec(**shape, rank=0, world_size=3))
+    other.load_state_dict(new.state_dict())
+    assert other.epoch == 2 and other.batches_remaining() == 20
 
 
 def test_consumed_and_inspect_agree_with_the_yielded_batches_across_two_resumes(tmp_path: Path) -> None:

@@ -166,6 +166,17 @@ def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[s
         check(position.state, allowed, prefix)
 
 
+def another_world(index_sampler: Any, position: Any) -> tuple[int, bool] | None:
+    """For the mid-epoch ``position`` (a ``SamplerPosition``) of a stateful sampler that
+    deals one stream to the ranks, taken on another world size: this rank's items of
+    the epoch (``len(sampler)``) that stand before it in this world, and whether none
+    are left after it. None for any other sampler or a position of this world size."""
+    stateful = stateful_part(index_sampler)
+    offset_of = getattr(stateful, "_snaploader_item_offset", None)
+    offset = None if offset_of is None or position is None else offset_of(position.state)
+    return None if offset is None else (offset, offset >= len(stateful))
+
+
 def epoch_aware_part(index_sampler: Any) -> Any | None:
     """The sampler with ``set_epoch`` (DistributedSampler and kin), if any."""
     for obj in (index_sampler, getattr(index_sampler, "sampler", None)):

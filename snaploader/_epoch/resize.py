@@ -12,6 +12,10 @@ length (``allow_mismatch=("batch_size",)`` / ``("dataset_length",)``; docs/elast
   (its sampler rebuilt over the old length, ``epoch_length``); the next epoch uses the
   loader's own sampler. Only torch's samplers can be rebuilt, and only a grown dataset
   holds every index of the old range.
+- **Another world size** for a sampler that deals one stream to the ranks (a
+  Mixture's, ``load_state_dict`` or ``reshard``): the epoch goes on as an epoch part
+  from the sampler's position, ``item_offset`` counting this rank's items before it
+  in the new world.
 """
 
 from __future__ import annotations
@@ -59,14 +63,32 @@ def rebatched(start: EpochStart, old_size: int | None, new_size: int | None) -> 
             "carried out; load it with the old batch_size, or skip in the new batches "
             "(load_state_dict(skip=...)) from a checkpoint without one"
         )
-    ledgers = start.workers or []  # a mid-epoch restore always has them
-    consumed = first_due(ledgers)
+    consumed = first_due(start.workers or [])
+    return _part(start, start.item_offset + consumed * old_size)
+
+
+def reworlded(start: EpochStart, item_offset: int, done: bool) -> EpochStart:
+    """The interrupted epoch ``start``, whose stateful sampler was dealing one stream to
+    ranks of another world size (a Mixture's), resumed on this loader's world: an epoch
+    part from the sampler's position, before which ``item_offset`` of this rank's items
+    stand (the old world's batches are not this one's); ``done``: nothing of the epoch
+    is left for this rank."""
+    if start.skip:
+        raise CheckpointMismatchError(
+            f"the checkpoint holds a skip of {start.skip} batch(es) of the old world size not yet "
+            "carried out; load it on the old world size, or skip in the new world's batches "
+            "(load_state_dict(skip=...)) from a checkpoint without one"
+        )
+    part = _part(start, item_offset)
+    if done and part.sampler_state is not None:
+        part = replace(part, sampler_state={**part.sampler_state, "done": True})
+    return part
+
+
+def _part(start: EpochStart, item_offset: int) -> EpochStart:
     # Each logical worker goes on from the snapshot after its last yielded batch.
-    workers = [WorkerLedger(epoch_start=ledger.yielded or ledger.epoch_start) for ledger in ledgers]
-    return replace(
-        start, workers=workers, yielded=0, turn=0, expected_digests=None,
-        item_offset=start.item_offset + consumed * old_size,
-    )
+    workers = [WorkerLedger(epoch_start=ledger.yielded or ledger.epoch_start) for ledger in start.workers or []]
+    return replace(start, workers=workers, yielded=0, turn=0, expected_digests=None, item_offset=item_offset)
 
 
 def old_range_sampler(index_sampler: Any, old_length: int, new_length: int | None) -> Any:

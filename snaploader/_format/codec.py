@@ -173,9 +173,10 @@ def read_state(
         any(saved[key] != mine.values[key] for key in ("batch_size", "dataset_length"))
         or checkpoint.item_offset
         or checkpoint.epoch_length is not None
+        or (facts.counted_elsewhere is not None and facts.counted_elsewhere(checkpoint.sampler_state))
     ):
-        # an epoch part of another batch size or length (_epoch/resize.py): this
-        # loader's batch count says nothing of it
+        # an epoch part of another batch size or length (_epoch/resize.py), or one
+        # counted in another world's batches: this loader's batch count says nothing of it
         facts = replace(facts, batches_per_epoch=None)
     check_consistent(checkpoint, facts)
     ledgers = _expanded(checkpoint)

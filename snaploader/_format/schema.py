@@ -6,7 +6,9 @@ the fingerprint comparison and before anything forks (``_format/codec.read_state
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .checkpoint import Checkpoint
 from .._errors import CheckpointFormatError
@@ -30,6 +32,10 @@ class LoaderFacts:
     # The logical worker slots of the epoch the checkpoint describes: read_state sets
     # it from the checkpoint, which may have been taken with another count.
     slots: int = 1
+    # Whether a checkpoint's sampler position (its SamplerPosition, or None) was counted
+    # in another world's batches: a stateful sampler dealing one stream to ranks of
+    # another world size (_epoch/plan.py's another_world). None: never.
+    counted_elsewhere: Callable[[Any], bool] | None = None
 
 
 def check_consistent(checkpoint: Checkpoint, facts: LoaderFacts) -> None:

@@ -243,6 +243,17 @@ class MixtureSampler(torch_data.Sampler[int]):
         check_resume(saved, mixture.seed, mixture.lengths, mixture.weights_at(saved.drawn),
                      mixture.schedule is not None, allow_mismatch)
 
+    def _snaploader_item_offset(self, state: Any) -> int | None:
+        """For the loader's load of a mid-epoch checkpoint (``_epoch/plan.py``'s
+        ``another_world``): None when ``state`` was taken on this world size; otherwise
+        this rank's items of the epoch that stand before its position, in this world,
+        whose ranks share the rest of the epoch (``epoch_left // world_size`` draws a
+        rank; the old world's batch count is not this one's)."""
+        saved = read_state(state)
+        if saved.world[1] == self.world_size:
+            return None
+        return len(self) - min(len(self), saved.epoch_left // self.world_size)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state``: the stream's position, every source's cursor (a source
         the checkpoint lacks starts its first pass; one this mixture lacks is kept, for
