@@ -6,17 +6,17 @@ Run it::
 
     python examples/torchrun_ddp.py
 
-which launches the training part twice with torchrun, each time as::
+which launches the training part three times with torchrun, each time as::
 
     torchrun --nproc-per-node 2 --master-port PORT --max-restarts 1 examples/torchrun_ddp.py OUT KILL_STEP
 
-first uninterrupted, then with rank 1 SIGKILLed right after the checkpoint of step
-KILL_STEP (in epoch 0, and once more in epoch 1 in a second run). torchrun sees the dead
+first uninterrupted, then twice with rank 1 SIGKILLed right after the checkpoint of
+step KILL_STEP: once in epoch 0, once in epoch 1. torchrun sees the dead
 rank, stops the other and starts both again; they load their checkpoint and go on. The
 script then checks that each rank's training step received, across the killed run (up
 to its checkpoint) and the restarted one, exactly the batches of the uninterrupted run,
 augmentations included, and that the final weights are equal; it prints one line per
-case and exits with status 1 on a difference. ``tests/test_examples.py`` runs it.
+rank and case and exits with status 1 on a difference. ``tests/test_examples.py`` runs it.
 
 What a training script needs, beside an ordinary DDP loop:
 
