@@ -173,7 +173,9 @@ def another_world(index_sampler: Any, position: Any) -> tuple[int, bool] | None:
     are left after it. None for any other sampler or a position of this world size."""
     stateful = stateful_part(index_sampler)
     offset_of = getattr(stateful, "_snaploader_item_offset", None)
-    offset = None if offset_of is None or position is None else offset_of(position.state)
+    if stateful is None or offset_of is None or position is None:
+        return None
+    offset = offset_of(position.state)
     return None if offset is None else (offset, offset >= len(stateful))
 
 
