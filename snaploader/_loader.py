@@ -14,7 +14,7 @@ import torch.utils.data as torch_data
 
 from ._format.build import build_state, loaded_state
 from ._format.codec import read_state
-from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
+from ._format.fingerprint import Fingerprint, fingerprint_of
 from ._format.schema import LoaderFacts
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
@@ -395,7 +395,7 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         """
         facts = self._facts()
         mine = self._fingerprint()
-        allowed = frozenset(allow_mismatch) | lightning_rank0_state(state, mine)
+        allowed = frozenset(allow_mismatch)
         restore = read_state(state, mine, allowed, facts, self.persistent_workers)
         if self._snaploader_options.state_protocol and not restore.checkpoint.ended:
             check_own_states(self.dataset, restore.ledgers)
