@@ -20,7 +20,7 @@ from typing import Any, Final
 import torch
 from torch.utils.data import BatchSampler, RandomSampler
 
-from .._state.records import has_state_protocol
+from .._state.protocol import has_state_protocol
 
 
 def _consume(iterator: Iterator[Any], n: int) -> None:
@@ -179,7 +179,7 @@ class IndexPlan:
         sampler then stands at batch ``state_at`` (default ``skip``) by itself, and
         the batches from there to ``skip`` are skipped (``load_state_dict(skip=...)``).
         ``item_offset``: sampler items consumed before batch 0 (an epoch part resumed
-        with another batch size, ``_epoch/resize.py``); a sampler state includes them."""
+        with another batch size, ``_format/resize.py``); a sampler state includes them."""
         self.stateful = stateful_part(index_sampler)
         done = False
         if self.stateful is not None and sampler_state is not None:

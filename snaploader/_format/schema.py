@@ -1,7 +1,7 @@
 """Whether a parsed checkpoint fits the loader it is loaded into: :class:`LoaderFacts`
 (what the loader says of itself) and :func:`check_consistent`, run on the
 :class:`~snaploader._format.checkpoint.Checkpoint` that ``_format/parse.py`` made, after
-the fingerprint comparison and before anything forks (``_format/codec.read_state``).
+the fingerprint comparison and before anything forks (``_format/restore.plan_restore``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class LoaderFacts:
     batches_per_epoch: int | None  # map-style, when the sampler has a length
     state_protocol: bool = True  # the loader's option of that name
     logical: int = 1  # the loader's logical worker count (for its new epochs)
-    # The logical worker slots of the epoch the checkpoint describes: read_state sets
+    # The logical worker slots of the epoch the checkpoint describes: plan_restore sets
     # it from the checkpoint, which may have been taken with another count.
     slots: int = 1
 

@@ -25,7 +25,8 @@ from typing import Any, Final, TextIO
 import torch
 
 from .._errors import CheckpointFormatError
-from .._format.checkpoint import FORMAT, MAX_DEPTH, READABLE_VERSIONS, Checkpoint, check_depth
+from .._format.checkpoint import FORMAT, READABLE_VERSIONS, Checkpoint
+from .._format.plain import MAX_DEPTH, check_depth
 from .._format.parse import parse
 from .._state.ledger import WorkerLedger
 

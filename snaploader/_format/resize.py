@@ -24,7 +24,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .._errors import CheckpointMismatchError
-from .._format.fingerprint import Fingerprint
+from .fingerprint import Fingerprint
 from .._state.ledger import EpochStart, WorkerLedger, first_due
 
 
