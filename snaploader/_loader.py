@@ -6,31 +6,28 @@ import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any, Final, Generic, TypeVar
 
 import torch
 import torch.utils.data as torch_data
 
-from ._format.build import build_state, loaded_state
-from ._format.codec import read_state
+from ._format.build import build_state
 from ._format.consumed import consumed_of, unrebuilt
 from ._format.parse import parse
-from ._format.fingerprint import Fingerprint, fingerprint_of, lightning_rank0_state
+from ._format.restore import Target, plan_restore
+from ._format.resize import another_world, part_batches
+from ._workers.datapipe import is_iter_datapipe
+from ._format.fingerprint import Fingerprint, fingerprint_of
 from ._format.schema import LoaderFacts
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
 from ._state.options import Options
 from ._state.ledger import EpochProgress, EpochStart, current_epoch
-from ._state.replay import announce_replay
 from ._state.published import Publisher
-from ._rng.objects import RngCensus, described, discover
-from ._epoch.plan import another_world, check_sampler_resume, stateful_part
+from ._rng.objects import ObjectRngs, RngCensus, described, discover
 from ._epoch import sampler_rngs
-from ._epoch.resize import part_batches, resized, reworlded
-from ._state.records import check_own_states, has_state_protocol, resolve_state_protocol
+from ._state.protocol import has_state_protocol, resolve_state_protocol, stateful_part
 from ._rng.capture import RngSource
-from ._format.skip import skip_count
 from ._lifecycle import LoaderLifecycle
 
 # The type of the batches, as in torch: ``DataLoader[int]`` is valid in annotations.
@@ -343,8 +340,12 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         finds, without running them; iterators' generators show up only from workers;
         then those the sampler and batch sampler hold (``sampler.``, ``batch_sampler.``)."""
         roots = [("dataset", self.dataset), ("collate_fn", self.collate_fn), ("worker_init_fn", self.worker_init_fn)]
-        held = [] if self._iterable else sampler_rngs.find(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self._snaploader_options.exclude_rngs).kinds()
+        held = [] if self._iterable else self._sampler_objects().kinds()
         return (self._rng_census.captured() or described(discover(roots, self._snaploader_options.exclude_rngs)[0])) + held
+
+    def _sampler_objects(self) -> ObjectRngs:
+        """The generators the sampler and batch sampler hold (_epoch/sampler_rngs.py)."""
+        return sampler_rngs.find(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self._snaploader_options.exclude_rngs)
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -423,37 +424,20 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         :class:`~snaploader.ReplayRefusedError` when the loader was built with
         ``replay="refuse"`` and resuming needs a replay from the epoch start.
         """
-        facts = self._facts()
-        mine = self._fingerprint()
-        allowed = frozenset(allow_mismatch) | lightning_rank0_state(state, mine)
-        restore = read_state(state, mine, allowed, facts, self.persistent_workers)
-        if not self._iterable:
-            checkpoint = restore.checkpoint
-            check_sampler_resume(self._index_sampler, checkpoint.sampler_state, allowed, checkpoint.in_order or checkpoint.ended)
-        if self._snaploader_options.state_protocol and not restore.checkpoint.ended:
-            check_own_states(self.dataset, (s for ledger in restore.ledgers for s in (ledger.yielded, ledger.yielded_complete)))
-        if not restore.start.in_order and (skip or skip_to is not None):
-            raise ValueError(
-                f"skip={skip}, skip_to={skip_to}: a skip counts batches in the fixed order, "
-                f"and this checkpoint was taken in the middle of epoch {restore.start.epoch} "
-                "with in_order=False, whose yielded batches are not the first ones of the "
-                "epoch. Skip from a checkpoint taken with in_order=True or at an epoch's end"
-            )
-        if not self._iterable and restore.start.restore_rng is not None:
-            restore = replace(restore, start=resized(restore.start, restore.checkpoint.fingerprint, mine, self._index_sampler))
-            if (world := another_world(self._index_sampler, restore.checkpoint.sampler_state)) is not None:
-                restore = replace(restore, start=reworlded(restore.start, *world))
-        extra = skip_count(restore.start, skip, skip_to, self._epoch_length(restore.start))
-        if extra:
-            total = restore.start.skip + extra
-            restore = replace(restore, start=replace(restore.start, skip=total))
-        if restore.start.restore_rng is not None:
-            announce_replay(
-                restore.ledgers, self.dataset, self._snaploader_options.replay, state_protocol=self._snaploader_options.state_protocol,
-                lossy=self._lossy_protocol, warn=False,
-            )
-        if not self._iterable and not {"sampler", "batch_sampler"} & allowed:  # its own generators (_epoch/sampler_rngs.py)
-            sampler_rngs.restore(self._index_sampler, self._auto_collation, (self.dataset, self.generator), self._snaploader_options.exclude_rngs, restore.checkpoint.sampler_rngs)
+        allowed = frozenset(allow_mismatch)
+        target = Target(
+            facts=self._facts(),
+            fingerprint=self._fingerprint(),
+            persistent=self.persistent_workers,
+            dataset=self.dataset,
+            index_sampler=None if self._iterable else self._index_sampler,
+            source=RngSource(self.generator),
+            replay=self._snaploader_options.replay,
+            lossy=self._lossy_protocol,
+            datapipe=is_iter_datapipe(self.dataset),
+            sampler_objects=None if self._iterable or {"sampler", "batch_sampler"} & allowed else self._sampler_objects(),
+        )
+        plan = plan_restore(state, target, allowed, skip, skip_to)
         # An iterator that went on would yield the old stream while state_dict() reports
         # the loaded one: it raises instead (NOTE [ a load before the first next() ] above).
         untouched = next((it for it in self._iterators if not it.taken and not it.closed), None)
@@ -462,15 +446,17 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
                 iterator.invalidate()
         self._iterators.clear()
         self._persistent_iter = None
-        if restore.sampler_state is not None:
+        if target.sampler_objects is not None:
+            target.sampler_objects.write(plan.sampler_rngs)
+        if plan.sampler_state is not None:
             stateful = None if self._iterable else stateful_part(self._index_sampler)
             if stateful is not None:
-                stateful.load_state_dict(restore.sampler_state["state"])
-        if restore.rng_next is not None and self.generator is not None:
-            RngSource(self.generator).set_state(restore.rng_next)
+                stateful.load_state_dict(plan.sampler_state["state"])
         # The dataset's own state is loaded when the next epoch starts (_epoch/iterator.py),
         # not here under the training loop's RNGs, where an abandoned iterator could move it.
-        self._pending = replace(restore.start, dataset_state=restore.dataset_state)
-        self._published.load(loaded_state(restore.checkpoint, restore.ledgers, restore.start.skip, RngSource(self.generator)))
+        self._pending = plan.start
+        self._published.load(plan.published)
+        if plan.rng_next is not None and self.generator is not None:
+            target.source.set_state(plan.rng_next)
         if untouched is not None:
             self._begin(untouched)

@@ -58,10 +58,11 @@ def _assert_resumes_exactly(stack: str, folder: Path, world: int) -> None:
 def test_trainer_ddp_with_exact_resume_resumes_every_rank_exactly(tmp_path: Path) -> None:
     _assert_resumes_exactly("trainer", tmp_path, 2)
     # Without the callback (a checkpoint Lightning loads as rank 0's state on every
-    # rank) the job runs, as it does with torch's loader, and says it is not exact.
+    # rank) rank 1 refuses to resume inexactly, before training, and says what to add.
     plain = run_ranks(["tests._lightning_child", "trainer-plain", "resumed3", str(tmp_path)], 2, _JOB_TIMEOUT_S)
-    assert [code for code, _ in plain] == [0, 0], plain[1][1][-4000:]
-    assert "rank 1's loader was given rank 0's state" in plain[1][1]
+    assert plain[1][0] != 0, plain[1][1][-4000:]
+    assert "CheckpointMismatchError" in plain[1][1] and "rank 1's loader, given rank 0's state" in plain[1][1], plain[1][1][-4000:]
+    assert "ExactResume()" in plain[1][1]
     # Another world size: a clear error naming the way to change it.
     ((code, log),) = run_ranks(["tests._lightning_child", "trainer", "resumed6", str(tmp_path)], 1, _JOB_TIMEOUT_S)
     assert code != 0 and "CheckpointMismatchError" in log and "loader states of 2 rank(s), and this run has 1" in log, log[-4000:]

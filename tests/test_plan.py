@@ -20,7 +20,8 @@ from torch.utils.data import (
 )
 
 import snaploader
-from snaploader._epoch.plan import IndexPlan, _slices_like_torch, epoch_aware_part, stateful_part
+from snaploader._epoch.plan import IndexPlan, _slices_like_torch, epoch_aware_part
+from snaploader._state.protocol import stateful_part
 from snaploader._rng.capture import RngSource
 
 from ._datasets import PlainBatchSampler, Range, StatefulSampler

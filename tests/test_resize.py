@@ -1,5 +1,5 @@
 """A checkpoint resumed with another batch size or a dataset of another length
-(docs/elastic.md, "Another batch size" and "A grown dataset"; ``_epoch/resize.py``)."""
+(docs/elastic.md, "Another batch size" and "A grown dataset"; ``_format/resize.py``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The loader's internal read API (``snaploader._view.LoaderView``), which the
 integrations use instead of the loader's private fields: where a loader stands, and its
 state as of one batch back or as if its epoch had ended, each resuming exactly that.
-And the leniency the loader shows Lightning's fit loop when it hands rank 0's state to
-another rank (no Lightning needed: the caller's module name is what is checked)."""
+And the mismatch a rank gets for another rank's state, which names Lightning's callback
+whoever the caller (no Lightning needed: the loader never looks at its caller)."""
 
 from __future__ import annotations
 
@@ -127,32 +127,33 @@ def _load_as(module: str, loader: snaploader.DataLoader, state: dict[str, Any]) 
     namespace["load"](loader, state)
 
 
-def test_rank0_state_from_lightnings_loop_resumes_inexactly_with_a_warning() -> None:
+@pytest.mark.parametrize("caller", ["my_training_script", "lightning.pytorch.utilities.combined_loader"])
+def test_rank0_state_given_to_another_rank_is_a_mismatch_that_names_lightnings_callback(caller: str) -> None:
     rank0 = _ranked(0)
     it = iter(rank0)
     take(it, 2)
     state = through_bytes(rank0.state_dict())
     del it
-    own = _ranked(1)
-    own_stream = list(own)
-    # Anyone else gets the mismatch: a rank loads its own state.
-    with pytest.raises(snaploader.CheckpointMismatchError, match="distributed"):
-        _load_as("my_training_script", _ranked(1), state)
     rank1 = _ranked(1)
-    with pytest.warns(UserWarning, match=r"rank 1's loader was given rank 0's state: Lightning .*ExactResume\(\)"):
-        _load_as("lightning.pytorch.utilities.combined_loader", rank1, state)
-    resumed = list(rank1)
-    # Rank 1's own samples from rank 0's position on (batch 2 of 3); the random states
-    # are rank 0's (equal to rank 1's here only because both drew alike).
-    assert [batch[:, 0].tolist() for batch in resumed] == [batch[:, 0].tolist() for batch in own_stream[2:]]
+    # Lightning's fit loop without ExactResume gives rank 0's state to every rank: the
+    # same error whoever calls, saying what to add, and the loader is left as it was.
+    with pytest.raises(snaploader.CheckpointMismatchError, match=r"(?s)distributed.*rank 1's loader, given rank 0's state.*ExactResume\(\)"):
+        _load_as(caller, rank1, state)
+    assert_same_stream(list(rank1), list(_ranked(1)), "rank 1 after the refused load")
+    # Allowed knowingly, it resumes at rank 0's position with rank 1's own samples.
+    allowed = _ranked(1)
+    allowed.load_state_dict(state, allow_mismatch=("distributed",))
+    own = list(_ranked(1))
+    assert [batch[:, 0].tolist() for batch in allowed] == [batch[:, 0].tolist() for batch in own[2:]]
 
 
-def test_lightnings_loop_still_gets_a_mismatch_for_another_runs_sampler() -> None:
+def test_another_runs_sampler_is_a_mismatch_without_the_lightning_hint() -> None:
     rank0 = _ranked(0)
     state = rank0.state_dict()
     other = snaploader.DataLoader(
         Augmented(24), batch_size=4, generator=generator(3),
         sampler=DistributedSampler(Augmented(24), num_replicas=2, rank=1, shuffle=True, seed=8),
     )
-    with pytest.raises(snaploader.CheckpointMismatchError, match="distributed"):
+    with pytest.raises(snaploader.CheckpointMismatchError, match="distributed") as raised:
         _load_as("lightning.pytorch.utilities.combined_loader", other, state)
+    assert "ExactResume" not in str(raised.value)

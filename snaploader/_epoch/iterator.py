@@ -51,7 +51,7 @@ from .._workers.pinning import PinningRunner
 from .._workers.process_runner import ProcessRunner
 from .._rng.capture import RngSource
 from .._workers.runner import Runner, RunnerClosed
-from .._workers.runtime import load_carried_state
+from .._state.protocol import load_carried_state
 from .._workers.selfcheck import check_restored_batch
 from .settings import LoaderSettings
 

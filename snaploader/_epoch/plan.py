@@ -20,7 +20,7 @@ from typing import Any, Final
 import torch
 from torch.utils.data import BatchSampler, RandomSampler
 
-from .._state.records import has_state_protocol
+from .._state.protocol import stateful_part
 
 
 def _consume(iterator: Iterator[Any], n: int) -> None:
@@ -135,50 +135,6 @@ def _skipped(sampler: Any, n: int) -> Iterator[Any]:
     return items
 
 
-def stateful_part(index_sampler: Any) -> Any | None:
-    """The object whose state_dict()/load_state_dict() positions the index stream: the
-    index sampler itself, or the sampler inside torch's BatchSampler; None if neither
-    implements the protocol."""
-    if has_state_protocol(index_sampler):
-        return index_sampler
-    if type(index_sampler) is BatchSampler and has_state_protocol(index_sampler.sampler):
-        return index_sampler.sampler
-    return None
-
-
-def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[str], prefix: bool) -> None:
-    """Let a stateful sampler that checks its own resume (a Mixture's: its weights and
-    sources) see the checkpoint's state of it and ``allow_mismatch`` before anything is
-    loaded; refuse ``allow_mismatch`` names that only such a sampler checks when this
-    loader's has no such check. ``position``: the checkpoint's ``SamplerPosition`` or
-    None; ``prefix``: whether the batches behind the position are the epoch's first ones
-    (not so mid-epoch with ``in_order=False``)."""
-    stateful = stateful_part(index_sampler)
-    check = getattr(stateful, "_snaploader_check_resume", None)
-    if check is None:
-        if "weights" in allowed:
-            raise ValueError(
-                f"allow_mismatch names 'weights', which only a Mixture's sampler checks; this "
-                f"loader's sampler is {type(index_sampler).__name__}: leave 'weights' out"
-            )
-        return
-    if position is not None:
-        check(position.state, allowed, prefix)
-
-
-def another_world(index_sampler: Any, position: Any) -> tuple[int, bool] | None:
-    """For the mid-epoch ``position`` (a ``SamplerPosition``) of a stateful sampler that
-    deals one stream to the ranks, taken on another world size: this rank's items of
-    the epoch (``len(sampler)``) that stand before it in this world, and whether none
-    are left after it. None for any other sampler or a position of this world size."""
-    stateful = stateful_part(index_sampler)
-    offset_of = getattr(stateful, "_snaploader_item_offset", None)
-    if stateful is None or offset_of is None or position is None:
-        return None
-    offset = offset_of(position.state)
-    return None if offset is None else (offset, offset >= len(stateful))
-
-
 def epoch_aware_part(index_sampler: Any) -> Any | None:
     """The sampler with ``set_epoch`` (DistributedSampler and kin), if any."""
     for obj in (index_sampler, getattr(index_sampler, "sampler", None)):
@@ -212,7 +168,7 @@ class IndexPlan:
         sampler then stands at batch ``state_at`` (default ``skip``) by itself, and
         the batches from there to ``skip`` are skipped (``load_state_dict(skip=...)``).
         ``item_offset``: sampler items consumed before batch 0 (an epoch part resumed
-        with another batch size, ``_epoch/resize.py``); a sampler state includes them."""
+        with another batch size, ``_format/resize.py``); a sampler state includes them."""
         self.stateful = stateful_part(index_sampler)
         done = False
         if self.stateful is not None and sampler_state is not None:

@@ -8,7 +8,8 @@ Their states are what rebuilds an epoch's index plan, as the loader's generator'
 ``rng_start`` is: the iterator captures them when an epoch starts, before the sampler
 draws (:func:`begin`), and again when it ends, for the next epoch. A checkpoint holds
 the first mid-epoch and the second between epochs (``sampler_rngs``); ``load_state_dict``
-writes them back (:func:`restore`), so the plan draws the epoch's order again and every
+matches them to the generators :func:`find` finds (``_format/restore.py``, where a
+mismatch is refused) and writes them back, so the plan draws the epoch's order again and every
 later epoch goes on from where the uninterrupted run's sampler stood. The loader's own
 generator is left out: ``rng_start``/``rng_next`` carry it (torch's ``RandomSampler``
 made by ``shuffle=True`` holds it), and so is its dataset, a sampler's ``data_source``
@@ -47,12 +48,3 @@ def begin(progress: EpochProgress, index_sampler: Any, batched: bool, loader: Lo
     objects = find(index_sampler, batched, loader, exclude)
     progress.sampler_objects = objects
     progress.sampler_rngs = objects.snapshot()[0] if objects.paths else None
-
-
-def restore(index_sampler: Any, batched: bool, loader: Loader, exclude: Exclude, blob: bytes | None) -> None:
-    """Write a checkpoint's ``sampler_rngs`` into the generators the sampler holds now;
-    :class:`CheckpointFormatError` naming the first path that differs. None (a file
-    written before they were recorded, or a sampler that held none) leaves them as
-    they are."""
-    if blob is not None:
-        find(index_sampler, batched, loader, exclude).restore(blob, _WHO)

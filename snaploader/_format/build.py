@@ -1,5 +1,5 @@
 """The checkpoint built from the ledger: :func:`build_state`, what ``state_dict()``
-returns (the layout is in ``_format/codec.py``'s docstring), and :func:`copy_state`.
+returns (the layout is in ``_format/checkpoint.py``'s docstring), and :func:`copy_state`.
 
 ``state_dict()`` may run after every training step, so it copies what is already made
 rather than computing: each snapshot is made plain data once (its RNG states base64'd,
@@ -21,10 +21,8 @@ from .checkpoint import (
     VERSION,
     Checkpoint,
     blob_piece,
-    check_user_depth,
     joined,
     piece,
-    resign,
     sha256_text,
 )
 from .fingerprint import CHECKED_KEYS, Fingerprint
@@ -55,7 +53,7 @@ def _sealed(snapshot: Snapshot, where: str) -> tuple[dict[str, Any], str]:
     if snapshot.data is not None:
         _plain.check_plain(snapshot.data, f"{where}['data']")
     data = _plain.encode(snapshot.data)
-    check_user_depth(data, f"{where}['data']")
+    _plain.check_user_depth(data, f"{where}['data']")
     rng = _plain.b64(rng_bytes(snapshot.rng))  # as the worker captured it (NOTE [ raw RNG states ])
     objects = None if snapshot.objects is None else _plain.b64(snapshot.objects)
     out = {
@@ -180,7 +178,7 @@ def _epoch_fields(progress: EpochProgress) -> tuple[dict[str, Any], dict[str, st
         "logical_workers": progress.logical,
         "in_order": progress.in_order,
     }
-    # Written only in an epoch part (_epoch/resize.py): an ordinary checkpoint is
+    # Written only in an epoch part (_format/resize.py): an ordinary checkpoint is
     # unchanged, and has no such field for an edit to turn into one.
     if progress.item_offset:
         fields["item_offset"] = progress.item_offset
@@ -252,7 +250,8 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
             "sampler_epoch": None, "logical_workers": logical, "in_order": True,
         }
         fixed_pieces = _pieces(fixed)
-        state.update(fixed, ended=True, yielded=0, turn=0, sampler_state=None, skip=0)
+        # No epoch begun: a position given says only the skip a load asked for.
+        state.update(fixed, ended=True, yielded=0, turn=0, sampler_state=None, skip=0 if position is None else position.skip)
     else:
         fixed, fixed_pieces = _epoch_fields(progress)
         position = progress.position if position is None else position
@@ -260,7 +259,7 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
         if sampler_state is not None:
             _plain.check_plain(sampler_state["state"], "the sampler's state_dict()")
             encoded = _plain.encode(sampler_state["state"])
-            check_user_depth(encoded, "the sampler's state_dict()")
+            _plain.check_user_depth(encoded, "the sampler's state_dict()")
             sampler_state = {"state": encoded, "done": sampler_state["done"]}
         state.update(
             fixed,
@@ -307,10 +306,13 @@ def loaded_state(
     saved = checkpoint.fingerprint
     # in the order fingerprint_of writes them (torch.save's bytes follow a dict's order)
     fingerprint = Fingerprint({key: saved[key] for key in (*CHECKED_KEYS, *saved) if key in saved})
-    if checkpoint.epoch < 0:
-        seen = Seen(None, None, None, checkpoint.rng_next)
-        state = build_state(fingerprint, seen, source, checkpoint.logical_workers)
-        return resign({**state, "skip": skip}) if skip else state
+    seen = _unbegun(checkpoint, skip) if checkpoint.epoch < 0 else _begun(checkpoint, ledgers, skip)
+    return build_state(fingerprint, seen, source, checkpoint.logical_workers)
+
+
+def _begun(checkpoint: Checkpoint, ledgers: list[WorkerLedger], skip: int) -> Seen:
+    """A checkpoint of an epoch begun, as ``build_state`` reads it: its progress at its
+    position, ``ledgers`` its ledgers with their twist codes replayed."""
     sampler = checkpoint.sampler_state
     position = Position(
         yielded=checkpoint.yielded,
@@ -337,5 +339,10 @@ def loaded_state(
         sampler_rngs=None if checkpoint.ended else checkpoint.sampler_rngs,
         sampler_rngs_next=checkpoint.sampler_rngs if checkpoint.ended else None,
     )
-    seen = Seen(None, progress, position, checkpoint.rng_next if checkpoint.ended else None)
-    return build_state(fingerprint, seen, source, checkpoint.logical_workers)
+    return Seen(None, progress, position, checkpoint.rng_next if checkpoint.ended else None)
+
+
+def _unbegun(checkpoint: Checkpoint, skip: int) -> Seen:
+    """A checkpoint taken before any epoch began, as ``build_state`` reads it: the next
+    epoch's generator state and the skip a load asked for."""
+    return Seen(None, None, Position(yielded=0, turn=0, workers=(), skip=skip), checkpoint.rng_next)

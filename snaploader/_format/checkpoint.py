@@ -3,7 +3,87 @@ an untrusted state in one pass, and what everything after the parse reads (the l
 checks, the restore plan, ``distributed``, ``inspect``). Also the integrity digest and
 :func:`resign`, the one place that computes it for a whole state.
 
-The plain layout is described in ``_format/codec.py``'s docstring. Adding a field:
+A checkpoint is JSON-safe plain data (dict with str keys, list, str, int, float, bool,
+None; ``_format/plain.py``), so ``json.dumps`` and ``torch.load(weights_only=True)`` both take
+it. It is untrusted input on load: ``_format/parse.py`` turns it into a typed
+:class:`~snaploader._format.checkpoint.Checkpoint` (every field's type and range, the
+integrity digest, blobs decoded once), then ``_format/restore.py``'s :func:`plan_restore`
+compares it with the loader (the fingerprint, ``_format/schema.py``), replays the RNG
+states' twist codes and plans the restore, all before anything forks; every problem is a
+:class:`CheckpointFormatError` naming the key path.
+Layout (version 3; version 2 is read too, see ``READABLE_VERSIONS``)::
+
+    format         "snaploader"
+    version        3
+    digest         "sha256:<hex>" over the canonical JSON of the rest, each ledger
+                   replaced by the SHA-256 of its own (checkpoint.digest_of)
+    fingerprint    {dataset_kind, dataset_length, batch_size, num_workers, drop_last,
+                    sampler, batch_sampler, persistent_workers, generator,
+                    distributed}: distributed is torch's DistributedSampler's
+                   {num_replicas, rank, shuffle, seed, drop_last} or None for another
+                   sampler; absent in older version-3 files (then not compared)
+    epoch          index of the epoch this describes (-1: none started yet)
+    ended          True when that epoch is over: the next iter() starts epoch + 1
+    yielded        batches yielded in that epoch
+    turn           iterable datasets: the worker whose batch comes next
+    rng_kind       "generator" or "global": what the epoch's draws came from
+    rng_start      base64 of that generator's state at the epoch start, or None
+    rng_next       base64 of the generator's state for the next epoch, or None
+    base_seed      the epoch's worker base seed; drew_base_seed: drawn this epoch
+    shared_seed    an IterDataPipe's seed for the epoch (drawn from rng_start before
+                   base_seed; rank 0's under torch.distributed), or None for another
+                   dataset; absent in older files: None
+    sampler_state  {state, done}: the stateful sampler's state before the next batch
+                   (done: it has nothing left this epoch), or None
+    sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
+    logical_workers the epoch's logical worker count (0: num_workers=0's main-process
+                   contract); the stream's, whatever num_workers resumes it
+                   (NOTE [ logical workers ] in _workers/process_main.py)
+    skip           batches still to skip before the next one is yielded (a skip asked
+                   with ``load_state_dict(skip=...)`` and not yet carried out; it
+                   applies to the next epoch when ``ended``); absent in older files: 0
+    in_order       False when the epoch's batches may have been yielded out of the fixed
+                   order (in_order=False): the ledgers' counts are then the position,
+                   and ``yielded`` only their sum; absent in older files: True
+    item_offset    sampler items consumed before the epoch's batch 0, for an epoch
+                   resumed with another batch size (_format/resize.py); written only
+                   when not 0 (absent: 0)
+    epoch_length   the dataset length the epoch runs over when a resume changed it
+                   (_format/resize.py); written only then (absent: the fingerprint's)
+    sample_root    seed_per_sample: the run's per-sample root, the base seed of the
+                   loader's first epoch (NOTE [ per-sample root ] in
+                   _rng/per_sample.py); written only with the option (absent: the
+                   epoch's base seed is the root)
+    sampler_rngs   base64 of the states of the generator objects the sampler and batch
+                   sampler hold (encoded as a snapshot's objects, _rng/kinds.py): at the
+                   epoch start, or for the next epoch when ``ended``
+                   (_epoch/sampler_rngs.py); written only when they hold one (absent: None)
+    next_batches   one None per ledger (NOTE [ one state per position ] in _format/checkpoint.py);
+                   files written before 2026-12-03 may hold per worker {produced, digest}
+                   of its next batch when it had already arrived, still checked after a
+                   restore (the resume self-check, _workers/selfcheck.py)
+    workers        one ledger per logical worker (see _state/ledger.py):
+                   {worker, epoch_start, yielded, yielded_complete, exhausted, skipped}
+                   (worker: its logical index, equal to its place in the list)
+                   (skipped: map-style batches of the worker's share a skip passed
+                   over since its last snapshot; absent in older files: 0), each snapshot
+                   {rng (base64 of the raw states, _rng/capture.py; older files may hold
+                   twist codes, _rng/twist.py), produced, data,
+                   data_owner ("dataset", "iterator", or "both", torchdata's pair
+                   of an iterable whose iterator is not the dataset: then data is
+                   {"dataset": ..., "iterator": ...}; or None), complete, exhausted,
+                   objects (base64 of the generator objects' states, _rng/kinds.py, or
+                   None)};
+                   yielded_complete is "same as yielded" when it is; epoch_start is
+                   None unless resuming starts from it (nothing yielded yet, a replay
+                   with no complete snapshot, an exhausted worker's last state)
+
+Keys other than these at the top level are not snaploader's (NOTE [ foreign keys ] in
+_format/checkpoint.py): not covered by the digest, not read.
+
+User data (``data``, ``sampler_state.state``) is stored through ``_format/plain.py``'s ``encode``.
+
+Adding a field:
 give it a row in ``_format/parse.py``'s tables with the default that an older file's
 absence of it means (an opt-in loader option recorded in the fingerprint: its "off"
 value; a new position field: the value that describes the old behaviour), and a field
@@ -19,8 +99,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
-from .plain import nested_deeper
-from .._errors import CheckpointFormatError, StateNotPlainDataError
+from .plain import check_depth  # distributed/resharded.py imports it from here
+from .._errors import CheckpointFormatError
 from .._state.ledger import WorkerLedger
 
 FORMAT: Final = "snaploader"
@@ -37,10 +117,8 @@ SAME_AS_YIELDED: Final = "same as yielded"
 # user state), the logical worker count is bounded, and so is the total number of
 # Mersenne Twister twists the RNG states' codes ask to replay (``_rng/twist.py``; the
 # writer never writes more, storing the rest raw). A dataset whose own state_dict() is
-# nested deeper than MAX_DEPTH is refused when the checkpoint is made, not when it loads.
-MAX_DEPTH: Final = 100
-# A user's state sits this deep in a checkpoint at most (workers, ledger, snapshot, data).
-_USER_DEPTH: Final = MAX_DEPTH - 8
+# nested deeper than MAX_DEPTH is refused when the checkpoint is made, not when it loads
+# (both depth checks are _format/plain.py's, beside what a checkpoint may hold).
 
 
 # -- the plain layout, field by field (what the parse checks before decoding) -----------
@@ -165,7 +243,7 @@ class Checkpoint:
     an older version upgraded. Nothing here has been compared with a loader yet
     (``_format/schema.py`` does that). RNG states are bytes; a worker snapshot's RNG
     states may still hold twist codes (``_rng/twist.py``), expanded once per load,
-    after the cheap checks (``_format/codec.py``)."""
+    after the cheap checks (``_format/restore.py``)."""
 
     version: int  # the version the file was written in
     digest: str
@@ -186,7 +264,7 @@ class Checkpoint:
     logical_workers: int
     skip: int
     in_order: bool
-    # An epoch part resumed with another batch size or dataset length (_epoch/resize.py):
+    # An epoch part resumed with another batch size or dataset length (_format/resize.py):
     # the sampler items consumed before its batch 0, and the length it runs over (None:
     # the fingerprint's).
     item_offset: int
@@ -303,16 +381,6 @@ def digest_of(state: dict[str, Any], ledger_digests: list[str]) -> str:
     return "sha256:" + sha256_of(body)
 
 
-def check_depth(value: Any, where: str = "loader state") -> None:
-    """Raise :class:`CheckpointFormatError` when ``value`` nests dicts and lists deeper
-    than ``MAX_DEPTH``. Iterative: it must not itself hit the recursion limit."""
-    if nested_deeper(value, MAX_DEPTH):
-        raise CheckpointFormatError(
-            f"{where} nests dicts and lists more than {MAX_DEPTH} deep, which snaploader never "
-            "writes; it was crafted or corrupted"
-        )
-
-
 def check_digest(state: dict[str, Any], where: str = "loader state") -> None:
     """Raise unless ``state['digest']`` is the digest of the rest (``state`` has a
     ``workers`` list and a depth already checked)."""
@@ -329,21 +397,11 @@ def check_digest(state: dict[str, Any], where: str = "loader state") -> None:
         )
 
 
-def check_user_depth(encoded: Any, where: str) -> None:
-    """Refuse, when a checkpoint is made, a user's state (as encoded) that nests too
-    deep for the checkpoint to load."""
-    if nested_deeper(encoded, _USER_DEPTH):
-        raise StateNotPlainDataError(
-            f"{where} nests dicts, lists and tuples more than {_USER_DEPTH} deep in all (a "
-            f"tuple or a dict with non-str keys counts twice); a checkpoint holds at most "
-            f"{MAX_DEPTH} levels: flatten the state"
-        )
-
-
 def resign(state: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the loader state ``state`` with its digest computed afresh: what
-    ``load_state_dict(skip=...)`` records, and how a test makes an edited state that
-    only the field checks can refuse."""
+    """A copy of the loader state ``state`` with its digest computed afresh: how a
+    deliberate editor (and a test) makes an edited state that only the field checks can
+    refuse. (A load's own state, a skip included, is built from the parse instead:
+    ``_format/build.py``'s ``loaded_state``.)"""
     out = dict(state)
     out["digest"] = digest_of(out, [sha256_of(ledger) for ledger in out["workers"]])
     return out

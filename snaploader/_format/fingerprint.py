@@ -3,8 +3,6 @@ load that shows both sides of a difference and names the ``allow_mismatch`` key.
 
 from __future__ import annotations
 
-import sys
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -13,7 +11,7 @@ import torch
 from torch.utils.data import IterDataPipe
 from torch.utils.data.distributed import DistributedSampler
 
-from .._errors import CheckpointMismatchError, user_stacklevel
+from .._errors import CheckpointMismatchError
 
 FINGERPRINT_KEYS: Final = (
     "dataset_kind",
@@ -86,49 +84,31 @@ def check_fingerprint(saved: Mapping[str, Any], mine: Fingerprint, allowed: froz
         raise CheckpointMismatchError(
             "the checkpoint was taken from a loader built differently:\n"
             + "\n".join(lines)
+            + _another_rank(saved, mine)
             + "\nBuild the loader with the checkpoint's arguments to resume exactly, or "
             f"pass load_state_dict(state, allow_mismatch=({names})) to accept the "
             "difference knowingly (the resumed stream then differs from the original)"
         )
 
 
-
-
-# Lightning's fit loop loads the loader states of a checkpoint from here; under DDP the
-# checkpoint was written by rank 0, so every rank is given rank 0's state.
-_LIGHTNING_LOADERS: Final = frozenset({
-    "lightning.pytorch.utilities.combined_loader",
-    "pytorch_lightning.utilities.combined_loader",
-})
-
-
-def lightning_rank0_state(state: Any, mine: Fingerprint) -> frozenset[str]:
-    """``{"distributed"}`` (the mismatch to allow) when Lightning's fit loop is loading
-    another rank's state into this rank's loader, with a warning that the resume is not
-    exact; nothing otherwise. Lightning without snaploader's ``ExactResume`` callback
-    gives rank 0's loader state to every rank: torch's loader resumes such a run
-    inexactly, and so does this one (this rank's samples from that position on, rank
-    0's worker random states), rather than raising. Called by ``load_state_dict``."""
-    if sys._getframe(2).f_globals.get("__name__") not in _LIGHTNING_LOADERS:
-        return frozenset()
-    saved = state.get("fingerprint") if isinstance(state, dict) else None
-    theirs = saved.get("distributed") if isinstance(saved, dict) else None
-    own = mine.values["distributed"]
+def _another_rank(saved: Mapping[str, Any], mine: Fingerprint) -> str:
+    """A line for the one mismatch a framework makes rather than its user: another rank's
+    state, of the same distributed sampler, given to this rank. Lightning's fit loop does
+    it without snaploader's callback (it saves rank 0's loader state only and loads it on
+    every rank); the callback saves every rank's. Empty for any other mismatch."""
+    theirs, own = saved.get("distributed"), mine.values["distributed"]
     if not isinstance(theirs, dict) or own is None or theirs.get("rank") == own["rank"]:
-        return frozenset()
+        return ""
     if {k: v for k, v in theirs.items() if k != "rank"} != {k: v for k, v in own.items() if k != "rank"}:
-        return frozenset()  # another run's sampler: the mismatch error says so
-    warnings.warn(
-        f"rank {own['rank']}'s loader was given rank {theirs['rank']}'s state: Lightning saves "
-        "the loader state of rank 0 only and loads it on every rank. This rank resumes at that "
-        "position with its own samples, but not exactly (its workers start from rank "
-        f"{theirs['rank']}'s random states, so augmentations differ from an uninterrupted run). "
-        "Add snaploader.integrations.lightning.ExactResume() to the Trainer's callbacks, in the "
-        "run that saves and the one that resumes, to resume every rank exactly (docs/lightning.md)",
-        UserWarning,
-        stacklevel=user_stacklevel(),
+        return ""  # another run's sampler
+    return (
+        f"\nThis is rank {own['rank']}'s loader, given rank {theirs['rank']}'s state: each rank "
+        "resumes from its own. Lightning saves the loader state of rank 0 only and loads it on "
+        "every rank: add snaploader.integrations.lightning.ExactResume() to the Trainer's "
+        "callbacks, in the run that saves and the one that resumes (docs/lightning.md)"
     )
-    return frozenset({"distributed"})
+
+
 
 
 def fingerprint_of(

@@ -38,7 +38,6 @@ from .checkpoint import (
     DistributedArgs,
     NextBatch,
     SamplerPosition,
-    check_depth,
     check_digest,
 )
 from .fingerprint import DEFAULTED_KEYS, DISTRIBUTED_FIELDS, FINGERPRINT_KEYS
@@ -120,7 +119,7 @@ def parse(state: Any, verify_digest: bool = True) -> Checkpoint:
     """The typed checkpoint of ``state``, or a :class:`CheckpointFormatError` naming the
     first problem (see the module docstring for the order). ``verify_digest=False``
     only for showing an edited state (``snaploader inspect``), never for loading it."""
-    check_depth(state)
+    _plain.check_depth(state)
     if isinstance(state, dict) and "format" not in state and _TORCHDATA_KEYS & state.keys():
         raise CheckpointFormatError(
             "loader state is a torchdata StatefulDataLoader checkpoint (it has torchdata's "

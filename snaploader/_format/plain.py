@@ -24,7 +24,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from .._errors import StateNotPlainDataError
+from .._errors import CheckpointFormatError, StateNotPlainDataError
 
 TAG: Final = "__snaploader__"
 _JSON_SCALARS: Final = (str, int, float, bool, type(None))
@@ -183,3 +183,31 @@ def tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) ->
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+
+
+# The deepest nesting a checkpoint may hold (NOTE [ checkpoint limits ] in
+# _format/checkpoint.py): checked on load before anything recursive runs.
+MAX_DEPTH: Final = 100
+# A user's state sits this deep in a checkpoint at most (workers, ledger, snapshot, data).
+_USER_DEPTH: Final = MAX_DEPTH - 8
+
+
+def check_depth(value: Any, where: str = "loader state") -> None:
+    """Raise :class:`CheckpointFormatError` when ``value`` nests dicts and lists deeper
+    than ``MAX_DEPTH``. Iterative: it must not itself hit the recursion limit."""
+    if nested_deeper(value, MAX_DEPTH):
+        raise CheckpointFormatError(
+            f"{where} nests dicts and lists more than {MAX_DEPTH} deep, which snaploader never "
+            "writes; it was crafted or corrupted"
+        )
+
+
+def check_user_depth(encoded: Any, where: str) -> None:
+    """Refuse, when a checkpoint is made, a user's state (as encoded) that nests too
+    deep for the checkpoint to load."""
+    if nested_deeper(encoded, _USER_DEPTH):
+        raise StateNotPlainDataError(
+            f"{where} nests dicts, lists and tuples more than {_USER_DEPTH} deep in all (a "
+            f"tuple or a dict with non-str keys counts twice); a checkpoint holds at most "
+            f"{MAX_DEPTH} levels: flatten the state"
+        )

@@ -1,7 +1,7 @@
 """Whether a parsed checkpoint fits the loader it is loaded into: :class:`LoaderFacts`
 (what the loader says of itself) and :func:`check_consistent`, run on the
 :class:`~snaploader._format.checkpoint.Checkpoint` that ``_format/parse.py`` made, after
-the fingerprint comparison and before anything forks (``_format/codec.read_state``).
+the fingerprint comparison and before anything forks (``_format/restore.plan_restore``).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ class LoaderFacts:
     batches_per_epoch: int | None  # map-style, when the sampler has a length
     state_protocol: bool = True  # the loader's option of that name
     logical: int = 1  # the loader's logical worker count (for its new epochs)
-    # The logical worker slots of the epoch the checkpoint describes: read_state sets
+    # The logical worker slots of the epoch the checkpoint describes: plan_restore sets
     # it from the checkpoint, which may have been taken with another count.
     slots: int = 1
     # Whether a checkpoint's sampler position (its SamplerPosition, or None) was counted
     # in another world's batches: a stateful sampler dealing one stream to ranks of
-    # another world size (_epoch/plan.py's another_world). None: never.
+    # another world size (_format/resize.py's another_world). None: never.
     counted_elsewhere: Callable[[Any], bool] | None = None
 
 

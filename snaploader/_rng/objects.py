@@ -266,6 +266,12 @@ class ObjectRngs:
         """Write the states of ``blob`` into the objects found at the same paths;
         :class:`CheckpointFormatError` naming the first path that differs. ``worker_id``:
         the worker's index, or who else holds the objects ("the sampler")."""
+        self.write(self.matched(blob, worker_id, skip_iterator))
+
+    def matched(self, blob: bytes | None, worker_id: int | str, skip_iterator: bool = False) -> list[tuple[int, bytes]]:
+        """The states of ``blob`` as (index of the object found at the same path, state),
+        written by :meth:`write`; :class:`CheckpointFormatError` naming the first path that
+        differs, before anything is written."""
 
         def keep(path: str) -> bool:
             return not (skip_iterator and path.startswith("iterator"))
@@ -279,7 +285,7 @@ class ObjectRngs:
                     f"but its code holds generators ({', '.join(p for p in self.paths if keep(p))}); "
                     "load the checkpoint taken with this dataset and code"
                 )
-            return
+            return []
         try:
             # A checkpoint's blob was checked by its parse (_format/parse.py); any other
             # was made by this worker's code: split, not checked again.
@@ -294,7 +300,11 @@ class ObjectRngs:
             ours = mine[position][1:] if position < len(mine) else None
             if theirs != ours:
                 raise CheckpointFormatError(_mismatch(worker_id, theirs, ours))
-        for (_, _, state), (i, _, _) in zip(saved, mine):
+        return [(i, state) for (_, _, state), (i, _, _) in zip(saved, mine)]
+
+    def write(self, states: Iterable[tuple[int, bytes]]) -> None:
+        """Write states :meth:`matched` made into the objects found."""
+        for i, state in states:
             self.access[i].write(state)
 
 

@@ -309,7 +309,7 @@ class EpochStart:
     # over at num_workers=0, as in torch). None: nothing to load.
     dataset_state: Any = None
     shared_seed: int | None = None  # a restore's IterDataPipe seed (rank 0's under torch.distributed)
-    # An epoch part resumed with another batch size or dataset length (_epoch/resize.py):
+    # An epoch part resumed with another batch size or dataset length (_format/resize.py):
     # the sampler items consumed before its batch 0, the old range's length, and the
     # index sampler rebuilt over it (None: the loader's own).
     item_offset: int = 0

@@ -26,7 +26,8 @@ import torch
 
 from .._errors import CheckpointFormatError
 from .._format.consumed import consumed_of
-from .._format.checkpoint import FORMAT, MAX_DEPTH, READABLE_VERSIONS, Checkpoint, check_depth
+from .._format.checkpoint import FORMAT, READABLE_VERSIONS, Checkpoint
+from .._format.plain import MAX_DEPTH, check_depth
 from .._format.parse import parse
 from .._state.ledger import WorkerLedger
 from ..mixture.mixture import consumed_by_source

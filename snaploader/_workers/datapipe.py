@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 
-from .._errors import CheckpointFormatError
+from .._format.restore import shared_seed_error
 from .._rng.capture import RngSource
 from .._rng.kinds import is_generator
 from .._state.ledger import EpochStart
@@ -67,13 +67,8 @@ class SharedSeeds:
         checkpoint's seed: under torch.distributed it is rank 0's, which this rank cannot
         draw again."""
         if restoring and self.datapipe != (start.shared_seed is not None):
-            had = "an IterDataPipe" if start.shared_seed is not None else "a dataset that is not an IterDataPipe"
-            raise CheckpointFormatError(
-                f"restoring epoch {start.epoch}: loader state['shared_seed'] says the checkpoint "
-                f"was taken with {had}, but this loader's dataset is a "
-                f"{type(self.dataset).__qualname__}. Load the checkpoint into a loader "
-                "of the same dataset, or start the epoch afresh"
-            )
+            # load_state_dict() refuses it first (_format/restore.py); an EpochStart made otherwise is held to it too
+            raise shared_seed_error(start.epoch, start.shared_seed is not None, self.dataset)
         if not self.datapipe:
             return None
         drawn = source.draw_base_seed()  # the same draw as torch's _share_dist_seed

@@ -42,7 +42,8 @@ from torch.utils.data._utils import worker as torch_worker
 from .process_main import copy_setup
 from .._format.plain import check_plain
 from .messages import Result, Task, WorkerSetup
-from .._state.records import Resume, Snapshot, has_state_protocol
+from .._state.protocol import has_state_protocol
+from .._state.records import Resume, Snapshot
 from .._errors import user_stacklevel
 from .._rng.capture import NativeRng
 from .runner import Runner

@@ -31,7 +31,8 @@ from .._rng.per_sample import Domain, SampleSeeder
 from .._format.plain import check_plain
 from .datapipe import is_iter_datapipe, seed_graph, seeded_generators, shard_graph
 from .messages import Kind, Result, Task, WorkerError, WorkerSetup
-from .._state.records import Resume, Snapshot, has_state_protocol
+from .._state.protocol import has_state_protocol
+from .._state.records import Resume, Snapshot
 from .._rng.capture import NativeRng, RngState, capture_rng, restore_rng
 
 # Per-sample states are made this many keys at a time: one NumPy pass per few samples,
@@ -143,7 +144,7 @@ class WorkerRuntime:
 
     def _restore_rng(self, state: RngState) -> None:
         # The main process checked a checkpoint's states and replayed their twist codes
-        # (_format/codec.py); the error path stays for a state that still cannot be set.
+        # (_format/restore.py); the error path stays for a state that still cannot be set.
         try:
             restore_rng(state, self.seed_rng)
         except ValueError as exc:
@@ -406,15 +407,3 @@ def _blame_own_state(exc: BaseException, dataset: Any, how: str) -> BaseExceptio
         "state_protocol=False to resume it exactly by replay from the epoch start instead"
     )
     return exc
-
-
-def load_carried_state(dataset: Any, state: Any) -> None:
-    """Load a checkpoint's carried dataset state (EpochStart.dataset_state) into the
-    dataset, with every global RNG state kept: the original run never made this call,
-    so whatever it draws or sets must change neither the training loop's RNGs nor the
-    data stream's (seeded afresh for the epoch after it)."""
-    kept = NativeRng.take()
-    try:
-        dataset.load_state_dict(pickle.loads(pickle.dumps(state, pickle.HIGHEST_PROTOCOL)))
-    finally:
-        kept.put()

@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from torch.utils.data.distributed import DistributedSampler
 
-from .._epoch.resize import batch_count
+from .._format.resize import batch_count
 from .._errors import CheckpointFormatError, CheckpointMismatchError
 from .._format.checkpoint import Checkpoint, DistributedArgs
 from .._format.fingerprint import FINGERPRINT_KEYS

@@ -41,9 +41,9 @@ calls on every rank) and read (``on_load_checkpoint``, before the loops are rest
   before any hook sees the loader).
 
 Without the callback, a map-style loader under DDP is given rank 0's state on every
-rank; the loader then resumes at rank 0's position with its own samples and warns that
-the resume is not exact (``_format/fingerprint.py``'s ``lightning_rank0_state``), as torch's loader
-would resume inexactly, rather than raising.
+rank; the loader of each other rank raises the ``CheckpointMismatchError`` any code gets
+for another rank's state, which names this callback (``_format/fingerprint.py``): the
+core never looks at its caller, and a rank never resumes another's state unasked.
 """
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ class MixtureSampler(torch_data.Sampler[int]):
                      mixture.schedule is not None, allow_mismatch)
 
     def _snaploader_item_offset(self, state: Any) -> int | None:
-        """For the loader's load of a mid-epoch checkpoint (``_epoch/plan.py``'s
+        """For the loader's load of a mid-epoch checkpoint (``_format/resize.py``'s
         ``another_world``): None when ``state`` was taken on this world size; otherwise
         this rank's items of the epoch that stand before its position, in this world,
         whose ranks share the rest of the epoch (``epoch_left // world_size`` draws a

@@ -28,8 +28,9 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .._errors import CheckpointMismatchError
-from .._format.fingerprint import Fingerprint
+from .fingerprint import Fingerprint
 from .._state.ledger import EpochStart, WorkerLedger, first_due
+from .._state.protocol import stateful_part
 
 
 class _Sized:
@@ -165,3 +166,16 @@ def batch_count(items: int, batch_size: int, drop_last: bool) -> int:
     BatchSampler counts them."""
     items = max(0, items)
     return items // batch_size if drop_last else -(-items // batch_size)
+
+
+def another_world(index_sampler: Any, position: Any) -> tuple[int, bool] | None:
+    """For the mid-epoch ``position`` (a ``SamplerPosition``) of a stateful sampler that
+    deals one stream to the ranks, taken on another world size: this rank's items of
+    the epoch (``len(sampler)``) that stand before it in this world, and whether none
+    are left after it. None for any other sampler or a position of this world size."""
+    stateful = stateful_part(index_sampler)
+    offset_of = getattr(stateful, "_snaploader_item_offset", None)
+    if stateful is None or offset_of is None or position is None:
+        return None
+    offset = offset_of(position.state)
+    return None if offset is None else (offset, offset >= len(stateful))
