@@ -456,7 +456,7 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         # not here under the training loop's RNGs, where an abandoned iterator could move it.
         self._pending = plan.start
         self._published.load(plan.published)
-        if plan.rng_next is not None and self.generator is not None:
-            target.source.set_state(plan.rng_next)
+        if plan.generator_state is not None and self.generator is not None:
+            self.generator.set_state(plan.generator_state)
         if untouched is not None:
             self._begin(untouched)

@@ -118,6 +118,38 @@ def test_checkpoints_of_one_setting_do_not_load_into_the_other() -> None:
         _loader(0, state_protocol=1)
 
 
+class _CountingMap(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A map-style dataset with its own state (the items it has read)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> int:
+        self.reads += 1
+        return index
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reads": self.reads}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reads = state["reads"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_map_style_checkpoint_of_one_setting_names_the_setting_in_the_other(num_workers: int) -> None:
+    def loader(setting: bool) -> snaploader.DataLoader:
+        return snaploader.DataLoader(_CountingMap(), batch_size=2, num_workers=num_workers, state_protocol=setting)
+
+    for saved, loaded, says in [(True, False, "built with state_protocol=False"), (False, True, "built with state_protocol=True")]:
+        _, state = _cut(loader(saved), 2)
+        with pytest.raises(snaploader.CheckpointFormatError, match=says) as raised:
+            loader(loaded).load_state_dict(state)
+        assert f"Build the loader with state_protocol={saved}" in str(raised.value)
+
+
 def test_replay_refuse_names_state_protocol() -> None:
     _, state = _cut(_loader(0, state_protocol=False), 3)
     with pytest.raises(snaploader.ReplayRefusedError, match="state_protocol=False"):

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from .build import loaded_state
 from .checkpoint import Checkpoint
 from .fingerprint import Fingerprint, check_fingerprint
@@ -37,6 +39,7 @@ from .._state.records import Snapshot
 from .._state.replay import announce_replay
 from .._rng.capture import RngSource
 from .._rng.objects import ObjectRngs
+from .._rng.raw import torch_state_tensor
 from .._rng.twist import expand_for, has_codes
 
 # -- reading a checkpoint ----------------------------------------------------------------
@@ -109,13 +112,14 @@ class Target:
 class Restore:
     """What a validated checkpoint asks of a loader: the next epoch's start (resized and
     skipped, with the dataset state a finished epoch carries at num_workers=0), for a
-    checkpoint taken between epochs the sampler state and generator state to set, the
-    sampler's own generators' states, and what ``state_dict()`` returns until the next
-    ``iter()``."""
+    checkpoint taken between epochs the sampler state and the state to set on the
+    loader's ``generator`` (decoded; None without one: the global RNG is the training
+    loop's), the sampler's own generators' states, and what ``state_dict()`` returns
+    until the next ``iter()``."""
 
     start: EpochStart
     sampler_state: dict[str, Any] | None
-    rng_next: bytes | None
+    generator_state: torch.Tensor | None
     sampler_rngs: tuple[tuple[int, bytes], ...]  # for target.sampler_objects.write
     published: dict[str, Any]
 
@@ -150,12 +154,16 @@ def plan_restore(state: Any, target: Target, allowed: frozenset[str], skip: Any,
         )
     ended = checkpoint.ended
     position = checkpoint.sampler_state
+    published = loaded_state(checkpoint, ledgers, start.skip, target.source)
     return Restore(
         start=start,
         sampler_state=None if not ended or position is None else {"state": position.state, "done": position.done},
-        rng_next=checkpoint.rng_next if ended else None,
+        generator_state=(
+            torch_state_tensor(checkpoint.rng_next)
+            if ended and checkpoint.rng_next is not None and target.source.generator is not None else None
+        ),
         sampler_rngs=sampler_rngs,
-        published=loaded_state(checkpoint, ledgers, start.skip, target.source),
+        published=published,
     )
 
 

@@ -101,6 +101,15 @@ def _check_snapshot(where: str, snapshot: Snapshot, facts: LoaderFacts) -> None:
         )
     if not facts.iterable:
         expected_owner = "dataset" if facts.dataset_has_protocol else None
+        if owner is None and expected_owner is not None and snapshot.complete and not snapshot.exhausted:
+            raise _fail(
+                f"{where}['data_owner']",
+                "is None: the checkpoint holds none of the dataset's own state (it was taken "
+                "with state_protocol=False), and this loader was built with state_protocol=True "
+                "over a dataset with state_dict()/load_state_dict(), which would resume from "
+                "it. Build the loader with state_protocol=False to resume this checkpoint, or "
+                "start the epoch afresh",
+            )
         if owner != expected_owner or not snapshot.complete or snapshot.exhausted:
             raise _fail(
                 where,
