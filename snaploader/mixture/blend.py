@@ -2,7 +2,7 @@
 stream takes (a uniform number from the seed and g alone, against the weights in force),
 and the order of each pass over a source (a seeded permutation of its items computed
 item by item, in O(1) memory whatever the source's size). Nothing here keeps state:
-where the stream stands is the sampler's (``mixture/sampler.py``), so any position is
+where the stream stands is the sampler's (``mixture/mixture.py``'s ``MixtureSampler``), so any position is
 reached again from a few counters.
 """
 

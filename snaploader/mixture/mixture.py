@@ -1,7 +1,7 @@
 """``Mixture``: a map-style dataset over named sources, each sample taken from one source
 as the weights (or a schedule of them) choose. Its index is the concatenation of the
 sources in the order given (``mixture[i]`` is a source's item, as ``ConcatDataset``'s);
-which of them an epoch takes, and in what order, is its sampler's (``mixture/sampler.py``),
+which of them an epoch takes, and in what order, is its sampler's (``MixtureSampler``, below),
 which ``snaploader.DataLoader`` installs by itself.
 """
 
