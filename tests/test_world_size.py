@@ -476,8 +476,8 @@ def test_a_resigned_edit_of_a_repartitioned_epoch_is_refused(key: str, value: An
     "entries, error",
     [
         ({"rank00_of_1": "{}"}, r"entries \['rank00_of_1'\], not one 'rank<r>_of_<N>'"),
-        ({"rank0_of_1": "not json"}, r"entry loader.rank0_of_1 is not JSON"),
-        ({"rank0_of_1": 7}, r"entry loader.rank0_of_1 is a int|cannot be read"),
+        ({"rank0_of_1": "not json"}, r"entry loader.rank0_of_1 is not valid JSON"),
+        ({"rank0_of_1": 7}, r"entry loader.rank0_of_1 should be the loader state as a JSON string|cannot be read"),
         ({"rank0_of_1": torch.zeros(2)}, r"cannot be read under 'loader'"),
         ({"rank0_of_1": "[1, 2]"}, r"entry loader.rank0_of_1 holds a list, not a loader state"),
     ],

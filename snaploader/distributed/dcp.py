@@ -17,7 +17,6 @@ exactly as it is, so ``torch.save`` users and frameworks that call it see no cha
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch.distributed as dist
 
 from .._errors import CheckpointFormatError
+from .._format.envelopes import loader_state_as_json, loader_state_from_json
 
 if TYPE_CHECKING:
     from .._loader import DataLoader
@@ -68,7 +68,7 @@ class DcpState:
         self.allow_mismatch = tuple(allow_mismatch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {_rank_key(): json.dumps(self.loader.state_dict())}
+        return {_rank_key(): loader_state_as_json(self.loader.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Imported here: _errors is light, but keep this module free of import order.
@@ -81,27 +81,8 @@ class DcpState:
                 "resume with the world size the checkpoint was saved with, and save with "
                 "snaploader.dcp_state(loader), not the loader itself"
             )
-        value = state_dict[key]
-        if not isinstance(value, str):
-            raise CheckpointFormatError(
-                f"the DCP entry {key!r} should be the loader state as a JSON string "
-                f"(saved through snaploader.dcp_state(loader)), got {type(value).__name__}"
-            )
-        state = state_from_json(value, f"the DCP entry {key!r}", "snaploader.dcp_state(loader)")
+        state = loader_state_from_json(state_dict[key], f"the DCP entry {key!r}", "snaploader.dcp_state(loader)")
         self.loader.load_state_dict(state, allow_mismatch=self.allow_mismatch)
-
-
-def state_from_json(text: str, what: str, writer: str) -> Any:
-    """The loader state that ``writer`` stored in ``what`` as JSON text;
-    :class:`~snaploader.CheckpointFormatError` naming both when it is not JSON."""
-
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise CheckpointFormatError(
-            f"{what} is not valid JSON ({error}); the checkpoint is damaged or was not "
-            f"written by {writer}"
-        ) from None
 
 
 def dcp_state(loader: DataLoader | ReshardedLoader, *, allow_mismatch: Iterable[str] = ()) -> DcpState:
@@ -153,12 +134,4 @@ def dcp_states(checkpoint_id: str, key: str = "loader") -> list[dict[str, Any]]:
 
 def _entry(checkpoint_id: str, key: str, name: str, text: Any) -> dict[str, Any]:
     where = f"the DCP checkpoint {checkpoint_id!r}'s entry {key}.{name}"
-    if not isinstance(text, str):
-        raise CheckpointFormatError(f"{where} is a {type(text).__name__}, not the JSON text snaploader.dcp_state writes")
-    try:
-        state = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointFormatError(f"{where} is not JSON ({str(exc)[:100]}); it was not written by snaploader.dcp_state") from None
-    if not isinstance(state, dict):
-        raise CheckpointFormatError(f"{where} holds a {type(state).__name__}, not a loader state")
-    return state
+    return loader_state_from_json(text, where, "snaploader.dcp_state")

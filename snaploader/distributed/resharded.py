@@ -31,14 +31,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
 from .._errors import CheckpointFormatError, CheckpointMismatchError
-from .._format.checkpoint import check_depth, sha256_of
+from .._format.checkpoint import sha256_of
+from .._format.envelopes import ReshardedState, Rest, is_resharded, parse_resharded, resharded_state
 from .._loader import DataLoader
 from .continuation import continued, read_to_end
 from .stream_world import is_stream_world, reshard_stream
@@ -48,9 +49,6 @@ from .rules import (
 )
 
 __all__ = ["RemainderSampler", "ReshardedLoader", "concat", "reshard"]
-
-_FORMAT: Final = "snaploader.distributed"
-_VERSION: Final = 1
 
 LoaderFactory = Callable[[Sampler[int]], DataLoader[Any]]
 
@@ -201,18 +199,8 @@ class ReshardedLoader:
         Pass every new rank's to :func:`reshard` to resume, on any world size."""
         # Until the next epoch begins, the interrupted one's source says how it begins
         # (Source.after), whether its rest was read to the end or not.
-        rest = None
-        if self._rest is not None:
-            rest = {"source": self._rest[0].to_plain(), "loader": self._rest[1].state_dict()}
-        body = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "loaders": [] if rest is not None else [loader.state_dict() for loader in self.loaders],
-            "rest": rest,
-        }
-        return {**body, "digest": "sha256:" + sha256_of(body)}
+        rest = None if self._rest is None else Rest(self._rest[0].to_plain(), self._rest[1].state_dict())
+        return resharded_state(self.rank, self.world_size, [loader.state_dict() for loader in self.loaders], rest)
 
     def load_state_dict(self, state: Any, *, allow_mismatch: Iterable[str] = ()) -> None:
         raise TypeError(
@@ -222,49 +210,25 @@ class ReshardedLoader:
         )
 
 
-def _check_resharded(state: dict[str, Any], where: str) -> None:
-    """A ReshardedLoader's state, checked as the parse checks a loader state: its digest
-    first, then every field's type and range (the loader states it holds are parsed
-    when they are loaded)."""
-    body = {key: value for key, value in state.items() if key != "digest"}
-    if state.get("version") != _VERSION:
-        raise CheckpointFormatError(f"{where} has version {state.get('version')!r:.20}; this snaploader reads {_VERSION}")
-    check_depth(state, where)
-    try:
-        intact = state.get("digest") == "sha256:" + sha256_of(body)
-    except (TypeError, ValueError):
-        intact = False
-    if not intact:
-        raise CheckpointFormatError(f"{where} was modified or corrupted after state_dict() made it")
-    if set(state) != {"format", "version", "rank", "world_size", "loaders", "rest", "digest"}:
-        raise CheckpointFormatError(f"{where} has the keys {sorted(state)}, not a ReshardedLoader state's")
-    rank, size, rest = state["rank"], state["world_size"], state["rest"]
-    if type(rank) is not int or type(size) is not int or not 0 <= rank < size:
-        raise CheckpointFormatError(f"{where} has rank {rank!r:.20} of world_size {size!r:.20}; expected ints with 0 <= rank < world_size")
-    if not isinstance(state["loaders"], list) or (rest is not None and state["loaders"]):
-        raise CheckpointFormatError(f"{where}['loaders'] should be a list, empty during a re-partitioned epoch")
-    if rest is not None and not (isinstance(rest, dict) and set(rest) == {"source", "loader"} and isinstance(rest["loader"], dict)):
-        raise CheckpointFormatError(f"{where}['rest'] should be None or {{'source': ..., 'loader': <a loader state>}}")
-
-
-def _unwrap(states: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _unwrap(states: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ReshardedState]]:
     """The plain loader checkpoints in ``states`` (a ReshardedLoader's contributes its
     loaders'), and the ReshardedLoader states taken during a re-partitioned epoch."""
-    flat, during = [], []
+    flat: list[dict[str, Any]] = []
+    during: list[ReshardedState] = []
     for place, state in enumerate(states):
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        if not is_resharded(state):
             flat.append(state)
             continue
-        _check_resharded(state, f"checkpoint {place} of the list (a ReshardedLoader's)")
-        if state["rest"] is not None:
-            during.append(state)
-        flat.extend(state["loaders"])
+        parsed = parse_resharded(state, f"checkpoint {place} of the list (a ReshardedLoader's)")
+        if parsed.rest is not None:
+            during.append(parsed)
+        flat.extend(parsed.loaders)
     return flat, during
 
 
-def _resume_during(during: list[dict[str, Any]], total: int, rank: int, world_size: int) -> tuple[Source, dict[str, Any]]:
-    sizes = {state["world_size"] for state in during}
-    ranks = sorted(state["rank"] for state in during)
+def _resume_during(during: list[ReshardedState], total: int, rank: int, world_size: int) -> tuple[Source, dict[str, Any]]:
+    sizes = {state.world_size for state in during}
+    ranks = sorted(state.rank for state in during)
     if len(during) != total or sizes != {world_size} or ranks != list(range(world_size)):
         raise CheckpointMismatchError(
             f"the checkpoints were taken during an epoch re-partitioned onto {sorted(sizes)} rank(s) "
@@ -272,14 +236,14 @@ def _resume_during(during: list[dict[str, Any]], total: int, rank: int, world_si
             f"on the same world size, from all its ranks' checkpoints; got world_size={world_size}. "
             "Resume on that world size, and change it again from a checkpoint taken after the epoch"
         )
-    mine = next(state for state in during if state["rank"] == rank)
-    source = Source.from_plain(mine["rest"]["source"], f"rank {rank}'s re-partition source")
-    others = {sha256_of(state["rest"]["source"]) for state in during}
+    mine = next(state.rest for state in during if state.rank == rank and state.rest is not None)
+    source = Source.from_plain(mine.source, f"rank {rank}'s re-partition source")
+    others = {sha256_of(state.rest.source) for state in during if state.rest is not None}
     if len(others) > 1:
         raise CheckpointMismatchError(
             "the ranks' checkpoints describe different re-partitioned epochs; pass checkpoints of one run, one step"
         )
-    return source, mine["rest"]["loader"]
+    return source, mine.loader
 
 
 def _epoch_of(world: World) -> int | None:

@@ -38,7 +38,6 @@ that of the batches the training loop has been given.
 
 from __future__ import annotations
 
-import json
 import os
 import weakref
 from collections.abc import Iterator
@@ -53,7 +52,7 @@ from accelerate.utils import RNGType, send_to_device, synchronize_rng_state
 from torch.utils.data import IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from ..distributed.dcp import state_from_json
+from .._format.envelopes import loader_state_as_json, loader_state_from_json
 from .._errors import CheckpointFormatError
 from .._loader import DataLoader
 from .._rebuild import rebuilt
@@ -101,7 +100,7 @@ class PreparedLoader:
         a ``LoaderView``'s) into the checkpoint ``folder``; its path."""
         path = self.place.file(folder)
         partial = path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(self.loader.state_dict() if state is None else state))
+        partial.write_text(loader_state_as_json(self.loader.state_dict() if state is None else state))
         # A process killed while writing leaves the previous file (or none), never half of one.
         os.replace(partial, path)
         return path
@@ -120,7 +119,7 @@ class PreparedLoader:
                 "prepare the same loaders, in the same order, with "
                 "snaploader.integrations.accelerate.prepare in the run that saves"
             ) from None
-        self.loader.load_state_dict(state_from_json(text, str(path), "snaploader.integrations.accelerate"))
+        self.loader.load_state_dict(loader_state_from_json(text, str(path), "snaploader.integrations.accelerate"))
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":  # not set yet (unpickling): no recursion
