@@ -366,7 +366,7 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
     def _facts(self) -> LoaderFacts:
         return LoaderFacts(
             iterable=self._iterable,
-            logical=self._snaploader_options.logical_workers,
+            logical_workers=self._snaploader_options.logical_workers,
             dataset_has_protocol=self._snaploader_options.state_protocol and has_state_protocol(self.dataset),
             state_protocol=self._snaploader_options.state_protocol,
             batches_per_epoch=self._epoch_length(),

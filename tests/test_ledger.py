@@ -124,7 +124,7 @@ def test_replay_without_protocol_counts_only_what_the_protocol_would_have_saved(
 def _progress(workers: int, logical: int | None = None) -> EpochProgress:
     position = Position(yielded=0, turn=0, workers=tuple(WorkerLedger(START) for _ in range(workers)))
     return EpochProgress(epoch=2, rng_start=b"g", base_seed=7, drew_base_seed=True, position=position,
-                         logical=logical or workers)
+                         logical_workers=logical or workers)
 
 
 def test_advance_publishes_a_new_position_and_keeps_the_one_before() -> None:
@@ -152,7 +152,7 @@ def test_persistent_workers_carry_their_state_into_the_next_epoch() -> None:
     progress = _progress(2)
     progress.advance(0, snap(3), turn=1, yielded=True)
     start = EpochStart.after(progress, persistent=True, logical=2)
-    assert (start.epoch, start.base_seed, start.draw_base_seed, start.logical) == (3, 7, False, 2)
+    assert (start.epoch, start.base_seed, start.draw_base_seed, start.logical_workers) == (3, 7, False, 2)
     assert start.workers is not None
     assert [ledger.epoch_start for ledger in start.workers] == [snap(3), START]
     assert all(ledger.yielded is None for ledger in start.workers)

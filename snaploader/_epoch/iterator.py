@@ -108,11 +108,11 @@ class SnapIterator:
         if start.sampler_epoch is not None and sampler_with_epoch is not None:
             sampler_with_epoch.set_epoch(start.sampler_epoch)
         source = RngSource(settings.generator)
-        restoring = start.restore_rng is not None
-        rng_start = start.restore_rng if start.restore_rng is not None else source.get_state()
-        logical = settings.options.logical_workers if start.logical is None else start.logical
+        restoring = start.rng_start is not None
+        rng_start = start.rng_start if start.rng_start is not None else source.get_state()
+        logical = settings.options.logical_workers if start.logical_workers is None else start.logical_workers
         workers = list(start.workers or [WorkerLedger() for _ in range(max(1, logical))])
-        yielded, skip, expected = start.yielded, start.skip, start.expected_digests
+        yielded, skip, expected = start.yielded, start.skip, start.next_batches
         at_start = first_due(workers)  # where a restored stateful sampler stands
         if skip and not settings.iterable:
             # Map-style: the plan skips the indices and each worker keeps its snapshot,
@@ -146,7 +146,7 @@ class SnapIterator:
                 position=Position(yielded=yielded, turn=start.turn, workers=tuple(workers), skip=skip),
                 sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
                 plan_skip=first_due(workers),
-                logical=logical,
+                logical_workers=logical,
                 in_order=start.in_order and not self.as_ready,
                 shared_seed=shared_seed,
                 sample_seed=settings.sample_seed_for(root, start.epoch),
@@ -171,7 +171,7 @@ class SnapIterator:
                 )
         self.progress.attach_plan(plan)
         if expected is not None and settings.options.check_resume:
-            self.progress.expected_digests = list(expected)
+            self.progress.next_batches = list(expected)
         self._dispatch()
 
     def _ready_workers(self, base_seed: int) -> None:
@@ -180,7 +180,7 @@ class SnapIterator:
         # Persistent workers still busy with an abandoned epoch would answer old tasks
         # first; start them afresh from the ledger instead. Workers started for another
         # logical worker count (the epoch a checkpoint of another count resumed) too.
-        if runner is None or runner.busy() or (self.base_seed, runner.logical) != (base_seed, self.progress.logical):
+        if runner is None or runner.busy() or (self.base_seed, runner.logical) != (base_seed, self.progress.logical_workers):
             self._stop_workers()
             self.base_seed = base_seed
             runner = self.runner = self._start_runner(base_seed)
@@ -212,7 +212,7 @@ class SnapIterator:
             drop_last=settings.drop_last,
             collate_fn=settings.collate_fn,
             worker_init_fn=settings.worker_init_fn,
-            logical=self.progress.logical,
+            logical=self.progress.logical_workers,
             base_seed=base_seed,
             options=settings.options,
             world=world(),
@@ -254,7 +254,7 @@ class SnapIterator:
                     runner.send(slot, Task(state.sent, None, self.progress.sample_seed))
                     state.sent += 1
             return
-        if self.mapping is not None and self.progress.logical > 0:
+        if self.mapping is not None and self.progress.logical_workers > 0:
             self.mapping.top_up(runner, self.progress.first_due())
 
     # -- yielding ------------------------------------------------------------------
@@ -287,7 +287,7 @@ class SnapIterator:
             raise StopIteration
         slot, task, result = found
         progress = self.progress
-        if progress.expected_digests and result.kind is Kind.BATCH:
+        if progress.next_batches and result.kind is Kind.BATCH:
             self._self_check(slot, result)
         turn = (slot + 1) % progress.slots if self.settings.iterable else progress.position.turn
         progress.advance(slot, result.snapshot, turn=turn, yielded=True)
@@ -314,7 +314,7 @@ class SnapIterator:
         as_ready = self.as_ready and not ordered
         if self.mapping is not None:
             first = progress.first_due()
-            if progress.logical == 0:  # torch's num_workers=0 draws a batch's indices in its next()
+            if progress.logical_workers == 0:  # torch's num_workers=0 draws a batch's indices in its next()
                 self.mapping.top_up(runner, first)
             if self.mapping.finished(first):
                 return None
@@ -353,7 +353,7 @@ class SnapIterator:
             if result.kind is Kind.ERROR and isinstance(result.payload, WorkerError) and result.payload.start_up:
                 # no batch of the original run, so not one to skip: raised as without a skip
                 raise result.payload.rebuild(self._where(slot, task))
-            if progress.expected_digests and result.kind is Kind.BATCH:
+            if progress.next_batches and result.kind is Kind.BATCH:
                 self._self_check(slot, result)
             progress.advance(slot, result.snapshot, turn=(slot + 1) % progress.slots, yielded=True)
             self._dispatch()

@@ -175,7 +175,7 @@ def _epoch_fields(progress: EpochProgress) -> tuple[dict[str, Any], dict[str, st
         "drew_base_seed": progress.drew_base_seed,
         "shared_seed": progress.shared_seed,
         "sampler_epoch": progress.sampler_epoch,
-        "logical_workers": progress.logical,
+        "logical_workers": progress.logical_workers,
         "in_order": progress.in_order,
     }
     # Written only in an epoch part (_format/resize.py): an ordinary checkpoint is
@@ -330,7 +330,7 @@ def _begun(checkpoint: Checkpoint, ledgers: list[WorkerLedger], skip: int) -> Se
         drew_base_seed=checkpoint.drew_base_seed,
         position=position,
         sampler_epoch=checkpoint.sampler_epoch,
-        logical=checkpoint.logical_workers,
+        logical_workers=checkpoint.logical_workers,
         in_order=checkpoint.in_order,
         shared_seed=checkpoint.shared_seed,
         item_offset=checkpoint.item_offset,

@@ -89,7 +89,7 @@ def reworlded(start: EpochStart, item_offset: int, done: bool) -> EpochStart:
 def _part(start: EpochStart, item_offset: int) -> EpochStart:
     # Each logical worker goes on from the snapshot after its last yielded batch.
     workers = [WorkerLedger(epoch_start=ledger.yielded or ledger.epoch_start) for ledger in start.workers or []]
-    return replace(start, workers=workers, yielded=0, turn=0, expected_digests=None, item_offset=item_offset)
+    return replace(start, workers=workers, yielded=0, turn=0, next_batches=None, item_offset=item_offset)
 
 
 def old_range_sampler(index_sampler: Any, old_length: int, new_length: int | None) -> Any:

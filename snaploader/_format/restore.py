@@ -141,13 +141,13 @@ def plan_restore(state: Any, target: Target, allowed: frozenset[str], skip: Any,
             "epoch. Skip from a checkpoint taken with in_order=True or at an epoch's end"
         )
     iterable = target.facts.iterable
-    if not iterable and start.restore_rng is not None:
+    if not iterable and start.rng_start is not None:
         start = resized(start, checkpoint.fingerprint, target.fingerprint, target.index_sampler)
         if (world := another_world(target.index_sampler, checkpoint.sampler_state)) is not None:
             start = reworlded(start, *world)
     batches = None if iterable else part_batches(target.index_sampler, start.item_offset, start.epoch_length)
     start = replace(start, skip=start.skip + skip_count(start, skip, skip_to, batches))
-    if start.restore_rng is not None:
+    if start.rng_start is not None:
         announce_replay(
             ledgers, target.dataset, target.replay, state_protocol=target.facts.state_protocol,
             lossy=target.lossy, warn=False,
@@ -174,7 +174,7 @@ def _read(
     the epoch it resumes (before a resize or a skip), its ledgers with their twist
     codes replayed, and the sampler's generators' states matched to the sampler's. The epoch it describes goes on with its own logical worker count,
     whatever this loader's ``num_workers``; the epochs after it have this loader's
-    (``facts.logical``; NOTE [ logical workers ] in _workers/process_main.py)."""
+    (``facts.logical_workers``; NOTE [ logical workers ] in _workers/process_main.py)."""
     mine, facts = target.fingerprint, target.facts
     checkpoint = parse(state)
     check_fingerprint(checkpoint.fingerprint, mine, allowed)
@@ -203,14 +203,14 @@ def _read(
     position = checkpoint.sampler_state
     sampler_state = None if position is None else {"state": position.state, "done": position.done}
     if checkpoint.ended:
-        if target.persistent and checkpoint.epoch >= 0 and ledgers and logical == facts.logical:
+        if target.persistent and checkpoint.epoch >= 0 and ledgers and logical == facts.logical_workers:
             start = EpochStart(
                 epoch=checkpoint.epoch + 1,
                 base_seed=checkpoint.base_seed,
                 draw_base_seed=False,
                 workers=[ledger.next_epoch() for ledger in ledgers],
                 skip=checkpoint.skip,
-                logical=logical,
+                logical_workers=logical,
                 sample_root=checkpoint.sample_root,
             )
         else:
@@ -219,8 +219,8 @@ def _read(
     expected = [None if e is None else (e.produced, e.digest) for e in checkpoint.next_batches]
     start = EpochStart(
         epoch=checkpoint.epoch,
-        expected_digests=expected,
-        restore_rng=checkpoint.rng_start,
+        next_batches=expected,
+        rng_start=checkpoint.rng_start,
         base_seed=checkpoint.base_seed,
         draw_base_seed=checkpoint.drew_base_seed,
         shared_seed=checkpoint.shared_seed,
@@ -230,7 +230,7 @@ def _read(
         sampler_state=sampler_state,
         sampler_epoch=checkpoint.sampler_epoch,
         skip=checkpoint.skip,
-        logical=logical,
+        logical_workers=logical,
         in_order=checkpoint.in_order,
         item_offset=checkpoint.item_offset,
         epoch_length=checkpoint.epoch_length,

@@ -28,7 +28,7 @@ class LoaderFacts:
     dataset_has_protocol: bool  # and the loader uses it (state_protocol)
     batches_per_epoch: int | None  # map-style, when the sampler has a length
     state_protocol: bool = True  # the loader's option of that name
-    logical: int = 1  # the loader's logical worker count (for its new epochs)
+    logical_workers: int = 1  # the loader's logical worker count (for its new epochs)
     # The logical worker slots of the epoch the checkpoint describes: plan_restore sets
     # it from the checkpoint, which may have been taken with another count.
     slots: int = 1

@@ -165,14 +165,14 @@ class EpochProgress:
     plan: Any = field(default=None, repr=False)  # the IndexPlan, for sampler states
     # The resume self-check (_workers/selfcheck.py): after a restore of a checkpoint that
     # kept them, the (count, digest) each slot's next batch must match.
-    expected_digests: list[tuple[int, str] | None] = field(default_factory=list, repr=False)
+    next_batches: list[tuple[int, str] | None] = field(default_factory=list, repr=False)
     # The newest position with one batch fewer yielded than ``position``: the state of
     # "one batch back", for a consumer that reads one batch ahead (Lightning's fetcher;
     # _view.py).
     previous: Position | None = field(default=None, repr=False)
     # The logical worker count of the epoch (NOTE [ logical workers ] in _workers/process_main.py): 0
     # for the main-process contract of num_workers=0; one ledger per slot, max(1, it).
-    logical: int = 1
+    logical_workers: int = 1
     # False when batches may have been yielded out of the fixed order this epoch
     # (in_order=False, or a restore of such a checkpoint): the per-worker counts are
     # then all the position there is (_epoch/dispatch.py).
@@ -292,7 +292,7 @@ class EpochStart:
     """How the next epoch begins: fresh, or restored from a checkpoint."""
 
     epoch: int
-    restore_rng: bytes | None = None  # the epoch-start RNG state to replay (a restore)
+    rng_start: bytes | None = None  # the epoch-start RNG state to replay (a restore)
     base_seed: int | None = None  # a restore's, or persistent workers' earlier seed
     draw_base_seed: bool = True
     yielded: int = 0
@@ -300,9 +300,9 @@ class EpochStart:
     workers: list[WorkerLedger] | None = None
     sampler_state: Any = None
     sampler_epoch: int | None = None
-    expected_digests: list[tuple[int, str] | None] | None = None  # the self-check's
+    next_batches: list[tuple[int, str] | None] | None = None  # the self-check's
     skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
-    logical: int | None = None  # the epoch's logical worker count (None: the loader's)
+    logical_workers: int | None = None  # the epoch's logical worker count (None: the loader's)
     in_order: bool = True  # False: a restored epoch yielded out of the fixed order
     # A checkpoint taken at num_workers=0 between epochs: the dataset's own state at the
     # end of the last one, loaded into the dataset at this epoch's start (it carries
@@ -325,13 +325,13 @@ class EpochStart:
         persistent workers carry their RNG states and base seed over, as torch's
         persistent workers do, when the count is the same; otherwise the epoch begins
         as a new loader's would (docs/elastic.md)."""
-        if not persistent or progress.logical != logical:
+        if not persistent or progress.logical_workers != logical:
             return EpochStart(epoch=progress.epoch + 1, sample_root=progress.sample_root)
         return EpochStart(
             epoch=progress.epoch + 1,
             base_seed=progress.base_seed,
             draw_base_seed=False,
             workers=[ledger.next_epoch() for ledger in progress.workers],
-            logical=logical,
+            logical_workers=logical,
             sample_root=progress.sample_root,
         )

@@ -100,13 +100,13 @@ def _edge_bytes(value: torch.Tensor) -> bytes:
 def check_restored_batch(progress: EpochProgress, slot: int, result: Result, worker: str) -> None:
     """Compare a restored slot's first batch with the digest the checkpoint kept of it;
     warn once per restore. ``worker``: the slot in words."""
-    expected = progress.expected_digests[slot]
+    expected = progress.next_batches[slot]
     if expected is None or expected[0] != result.snapshot.produced:
         return
-    progress.expected_digests[slot] = None
+    progress.next_batches[slot] = None
     if batch_digest(result.payload) == expected[1]:
         return
-    progress.expected_digests = []
+    progress.next_batches = []
     warnings.warn(
         mismatch_message(progress.yielded, progress.epoch, worker, expected[0]),
         ResumeMismatchWarning,
