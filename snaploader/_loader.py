@@ -15,7 +15,7 @@ from ._format.build import build_state
 from ._format.consumed import consumed_of, unrebuilt
 from ._format.parse import parse
 from ._format.restore import Target, plan_restore
-from ._format.resize import another_world, part_batches
+from ._format.resize import part_batches
 from ._workers.datapipe import is_iter_datapipe
 from ._format.fingerprint import Fingerprint, fingerprint_of
 from ._format.schema import LoaderFacts
@@ -370,7 +370,6 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
             dataset_has_protocol=self._snaploader_options.state_protocol and has_state_protocol(self.dataset),
             state_protocol=self._snaploader_options.state_protocol,
             batches_per_epoch=self._epoch_length(),
-            counted_elsewhere=None if self._iterable else lambda position: another_world(self._index_sampler, position) is not None,
         )
 
     def state_dict(self) -> dict[str, Any]:

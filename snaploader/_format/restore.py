@@ -130,7 +130,7 @@ def plan_restore(state: Any, target: Target, allowed: frozenset[str], skip: Any,
     ``skip`` and ``skip_to``: :class:`CheckpointFormatError`,
     :class:`~snaploader.CheckpointMismatchError`, ``ValueError`` for a bad skip,
     :class:`~snaploader.ReplayRefusedError`, all raised here."""
-    checkpoint, start, ledgers, sampler_rngs = _read(state, target, allowed)
+    checkpoint, start, ledgers, sampler_rngs, world = _read(state, target, allowed)
     if target.facts.state_protocol and not checkpoint.ended:
         check_own_states(target.dataset, ledgers)
     if not start.in_order and (skip or skip_to is not None):
@@ -143,7 +143,7 @@ def plan_restore(state: Any, target: Target, allowed: frozenset[str], skip: Any,
     iterable = target.facts.iterable
     if not iterable and start.rng_start is not None:
         start = resized(start, checkpoint.fingerprint, target.fingerprint, target.index_sampler)
-        if (world := another_world(target.index_sampler, checkpoint.sampler_state)) is not None:
+        if world is not None:
             start = reworlded(start, *world)
     batches = None if iterable else part_batches(target.index_sampler, start.item_offset, start.epoch_length)
     start = replace(start, skip=start.skip + skip_count(start, skip, skip_to, batches))
@@ -169,21 +169,24 @@ def plan_restore(state: Any, target: Target, allowed: frozenset[str], skip: Any,
 
 def _read(
     state: Any, target: Target, allowed: frozenset[str]
-) -> tuple[Checkpoint, EpochStart, list[WorkerLedger], tuple[tuple[int, bytes], ...]]:
+) -> tuple[Checkpoint, EpochStart, list[WorkerLedger], tuple[tuple[int, bytes], ...], tuple[int, bool] | None]:
     """Parse ``state`` and check it against the loader: the checkpoint, the start of
     the epoch it resumes (before a resize or a skip), its ledgers with their twist
-    codes replayed, and the sampler's generators' states matched to the sampler's. The epoch it describes goes on with its own logical worker count,
+    codes replayed, the sampler's generators' states matched to the sampler's, and
+    ``another_world``'s answer for its sampler position (None: counted in this
+    world's batches). The epoch it describes goes on with its own logical worker count,
     whatever this loader's ``num_workers``; the epochs after it have this loader's
     (``facts.logical_workers``; NOTE [ logical workers ] in _workers/process_main.py)."""
     mine, facts = target.fingerprint, target.facts
     checkpoint = parse(state)
     check_fingerprint(checkpoint.fingerprint, mine, allowed)
     saved = checkpoint.fingerprint
+    world = None if facts.iterable else another_world(target.index_sampler, checkpoint.sampler_state)
     if (
         any(saved[key] != mine.values[key] for key in ("batch_size", "dataset_length"))
         or checkpoint.item_offset
         or checkpoint.epoch_length is not None
-        or (facts.counted_elsewhere is not None and facts.counted_elsewhere(checkpoint.sampler_state))
+        or world is not None
     ):
         # an epoch part of another batch size or length (_format/resize.py), or one
         # counted in another world's batches: this loader's batch count says nothing of it
@@ -215,7 +218,7 @@ def _read(
             )
         else:
             start = EpochStart(epoch=checkpoint.epoch + 1, skip=checkpoint.skip, sample_root=checkpoint.sample_root)
-        return checkpoint, replace(start, dataset_state=carried), ledgers, sampler_rngs
+        return checkpoint, replace(start, dataset_state=carried), ledgers, sampler_rngs, world
     expected = [None if e is None else (e.produced, e.digest) for e in checkpoint.next_batches]
     start = EpochStart(
         epoch=checkpoint.epoch,
@@ -236,7 +239,7 @@ def _read(
         epoch_length=checkpoint.epoch_length,
         sample_root=checkpoint.sample_root,
     )
-    return checkpoint, start, ledgers, sampler_rngs
+    return checkpoint, start, ledgers, sampler_rngs, world
 
 
 def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[str], prefix: bool) -> None:

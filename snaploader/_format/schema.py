@@ -6,9 +6,7 @@ the fingerprint comparison and before anything forks (``_format/restore.plan_res
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from .checkpoint import Checkpoint
 from .._errors import CheckpointFormatError
@@ -32,10 +30,6 @@ class LoaderFacts:
     # The logical worker slots of the epoch the checkpoint describes: plan_restore sets
     # it from the checkpoint, which may have been taken with another count.
     slots: int = 1
-    # Whether a checkpoint's sampler position (its SamplerPosition, or None) was counted
-    # in another world's batches: a stateful sampler dealing one stream to ranks of
-    # another world size (_format/resize.py's another_world). None: never.
-    counted_elsewhere: Callable[[Any], bool] | None = None
 
 
 def check_consistent(checkpoint: Checkpoint, facts: LoaderFacts) -> None:
