@@ -311,7 +311,8 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         those already yielded (or skipped). After :meth:`load_state_dict`, what the next
         ``iter()`` yields (a checkpoint taken after an epoch ended: the whole next epoch);
         before the first epoch or after one ended, ``len(loader)``. An epoch resumed with
-        another batch size or dataset length counts its own batches. None when the
+        another batch size or dataset length, or a Mixture's on another world size,
+        counts its own batches. None when the
         epoch's length is not known: an iterable dataset, or a sampler without
         ``len()``. For a progress bar or an LR schedule after a restore, where
         ``len(loader)`` is still the whole epoch."""
