@@ -15,7 +15,7 @@ import torch
 import snaploader
 from snaploader._state.options import Options
 from snaploader._tools import verify_loader
-from snaploader._workers.runtime import WorkerRuntime
+from snaploader._workers.logical_worker import WorkerRuntime
 
 # Every option at a value other than its default. Adding a field to Options without
 # adding it here fails test_every_option_is_set_to_a_non_default_value.

@@ -25,7 +25,7 @@ import snaploader
 from snaploader._format.checkpoint import resign
 from snaploader._rng import twist as _rngcode
 from snaploader._rng.capture import capture_rng, check_rng
-from snaploader._workers.runtime import seed_like_torch
+from snaploader._workers.logical_worker import seed_like_torch
 
 from ._datasets import Augmented
 from ._support import assert_same_stream, generator, mp_helpers  # noqa: F401

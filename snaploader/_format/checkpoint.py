@@ -38,7 +38,7 @@ Layout (version 3; version 2 is read too, see ``READABLE_VERSIONS``)::
     sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
     logical_workers the epoch's logical worker count (0: num_workers=0's main-process
                    contract); the stream's, whatever num_workers resumes it
-                   (NOTE [ logical workers ] in _workers/process_main.py)
+                   (NOTE [ logical workers ] in _workers/worker_loop.py)
     skip           batches still to skip before the next one is yielded (a skip asked
                    with ``load_state_dict(skip=...)`` and not yet carried out; it
                    applies to the next epoch when ``ended``); absent in older files: 0

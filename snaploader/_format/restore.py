@@ -176,7 +176,7 @@ def _read(
     ``another_world``'s answer for its sampler position (None: counted in this
     world's batches). The epoch it describes goes on with its own logical worker count,
     whatever this loader's ``num_workers``; the epochs after it have this loader's
-    (``facts.logical_workers``; NOTE [ logical workers ] in _workers/process_main.py)."""
+    (``facts.logical_workers``; NOTE [ logical workers ] in _workers/worker_loop.py)."""
     mine, facts = target.fingerprint, target.facts
     checkpoint = parse(state)
     check_fingerprint(checkpoint.fingerprint, mine, allowed)

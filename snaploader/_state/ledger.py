@@ -170,7 +170,7 @@ class EpochProgress:
     # "one batch back", for a consumer that reads one batch ahead (Lightning's fetcher;
     # _view.py).
     previous: Position | None = field(default=None, repr=False)
-    # The logical worker count of the epoch (NOTE [ logical workers ] in _workers/process_main.py): 0
+    # The logical worker count of the epoch (NOTE [ logical workers ] in _workers/worker_loop.py): 0
     # for the main-process contract of num_workers=0; one ledger per slot, max(1, it).
     logical_workers: int = 1
     # False when batches may have been yielded out of the fixed order this epoch

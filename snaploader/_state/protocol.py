@@ -3,7 +3,7 @@ main process meets it: whether an object has it, whether the loader uses it for 
 dataset (``state_protocol=``, and the datasets known to lose data through it), the
 dataset's own check of the states a checkpoint holds for it, the part of an index sampler
 that has it (``stateful_part``), and the state a finished epoch carries into the dataset object at ``num_workers=0``. A worker's own capture and
-restore of these states is ``_workers/runtime.py``'s."""
+restore of these states is ``_workers/logical_worker.py``'s."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ checkpoint resumes it exactly, as it resumes a worker process.
 A checkpoint taken with W >= 1 logical workers resumed at ``num_workers=0`` (or
 ``DataLoader(num_workers=0, logical_workers=W)``) runs W slots here, each a logical
 worker with its own copy of the setup, worker info and RNG states, as a worker process
-hosting them would (NOTE [ logical workers ] in ``_workers/process_main.py``).
+hosting them would (NOTE [ logical workers ] in ``_workers/worker_loop.py``).
 
 A task is run when its result is asked for (``next_result``), not when it is sent: the
 iterator sends one task ahead, and running it early would do a batch's work before
@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data._utils import worker as torch_worker
 
-from .process_main import copy_setup
+from .worker_loop import copy_setup
 from .._format.plain import check_plain
 from .messages import Result, Task, WorkerSetup
 from .._state.protocol import has_state_protocol
@@ -47,7 +47,7 @@ from .._state.records import Resume, Snapshot
 from .._errors import user_stacklevel
 from .._rng.capture import NativeRng
 from .runner import Runner
-from .runtime import WorkerRuntime, set_worker_info
+from .logical_worker import WorkerRuntime, set_worker_info
 
 _T = TypeVar("_T")
 

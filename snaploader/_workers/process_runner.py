@@ -12,7 +12,7 @@
 ```
 
 Slots are logical workers; the pool's processes go by index (NOTE [ logical workers ] in
-``_workers/process_main.py``): logical worker ``w`` lives in process ``w % processes``. A process
+``_workers/worker_loop.py``): logical worker ``w`` lives in process ``w % processes``. A process
 answers its tasks in the order they were sent, whatever logical worker they are for,
 so ``order[process]`` (the logical worker of each unanswered task, oldest first) says
 whose answer comes next.
@@ -54,7 +54,7 @@ from .._errors import WorkerCrashedError, WorkerRespawnedWarning, user_stackleve
 from .._state.ledger import EpochProgress
 from .exits import Death, doing, worker_name
 from .pool import FetchMarks, Pool, WorkerProcess, fd_budget
-from .process_main import copy_setup, fetch_mark, worker_main
+from .worker_loop import copy_setup, fetch_mark, worker_main
 from .messages import (
     Kind,
     Result,

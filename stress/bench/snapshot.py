@@ -25,7 +25,7 @@ def _snapshot_child(conn: Any, name: str, batch_size: int, compute_rounds: int, 
 
         from snaploader._workers.messages import Task, WorkerSetup
         from snaploader._rng.capture import capture_rng
-        from snaploader._workers.runtime import WorkerRuntime
+        from snaploader._workers.logical_worker import WorkerRuntime
 
         torch.set_num_threads(1)
         dataset = make_dataset(name, 64 * batch_size, compute_rounds)

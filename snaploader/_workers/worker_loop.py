@@ -44,7 +44,7 @@ from .pool import FetchMarks, Inherited, release_inherited
 from .messages import Kind, Result, WorkerError, WorkerSetup, dumps_result
 from .._state.records import Resume
 from .._rng.capture import NativeRng
-from .runtime import WorkerRuntime, set_worker_info
+from .logical_worker import WorkerRuntime, set_worker_info
 
 _WATCHDOG_INTERVAL_S: Final = 1.0
 

@@ -2,7 +2,7 @@
 :class:`Resume`), fetching like torch, and the snapshot after every batch.
 
 One :class:`WorkerRuntime` is one *logical* worker (NOTE [ logical workers ] in
-``_workers/process_main.py``, which holds the worker process's loop that hosts one or
+``_workers/worker_loop.py``, which holds the worker process's loop that hosts one or
 more of them). The same class also runs in the main process for ``num_workers=0``
 (``_workers/inline_runner.py``), with the main process's RNG states swapped out around
 each call.
