@@ -328,7 +328,7 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
         another batch size or dataset length), when known: map-style, a sized sampler."""
         if self._iterable:
             return None
-        offset, length = (0, None) if part is None else (part.item_offset, part.epoch_length)
+        offset, length = (0, None) if part is None else (part.record.item_offset, part.record.epoch_length)
         return part_batches(self._index_sampler, offset, length)
 
     def captured_rngs(self) -> list[tuple[str, str]]:

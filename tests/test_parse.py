@@ -45,7 +45,7 @@ def test_parse_gives_a_frozen_typed_checkpoint() -> None:
     state = _mid_epoch(_loader(2), 3)
     checkpoint = parse(state)
     assert (checkpoint.epoch, checkpoint.yielded, checkpoint.logical_workers, checkpoint.skip) == (0, 3, 2, 0)
-    assert isinstance(checkpoint.rng_start, bytes) and checkpoint.in_order is True
+    assert isinstance(checkpoint.rng_start, bytes) and checkpoint.record.in_order is True
     ledger = checkpoint.workers[0]
     assert ledger.yielded is not None and isinstance(ledger.yielded.rng, bytes)
     assert ledger.yielded_complete is ledger.yielded  # "same as yielded" is the same object
@@ -66,7 +66,7 @@ def test_version_2_is_upgraded_in_the_parse() -> None:
     for ledger in state["workers"]:
         del ledger["worker"], ledger["skipped"]
     checkpoint = parse(_checkpoint.resign(state))
-    assert (checkpoint.version, checkpoint.logical_workers, checkpoint.skip, checkpoint.in_order) == (2, 0, 0, True)
+    assert (checkpoint.version, checkpoint.logical_workers, checkpoint.skip, checkpoint.record.in_order) == (2, 0, 0, True)
     assert [ledger.skipped for ledger in checkpoint.workers] == [0]
 
 

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from functools import partial
 import warnings
 import weakref
@@ -105,8 +106,8 @@ class SnapIterator:
         self.as_ready = not settings.in_order and settings.num_workers > 0
         index_sampler = settings.index_sampler if start.index_sampler is None else start.index_sampler
         sampler_with_epoch = None if settings.iterable else epoch_aware_part(index_sampler)
-        if start.sampler_epoch is not None and sampler_with_epoch is not None:
-            sampler_with_epoch.set_epoch(start.sampler_epoch)
+        if start.record.sampler_epoch is not None and sampler_with_epoch is not None:
+            sampler_with_epoch.set_epoch(start.record.sampler_epoch)
         source = RngSource(settings.generator)
         restoring = start.rng_start is not None
         rng_start = start.rng_start if start.rng_start is not None else source.get_state()
@@ -137,22 +138,24 @@ class SnapIterator:
                         f"{start.base_seed}; the checkpoint was edited or is corrupt"
                     )
             self.shared_seeds.after_base_seed(source, logical, start.draw_base_seed)
-            root = base_seed if start.sample_root is None else start.sample_root
+            root = base_seed if start.record.sample_root is None else start.record.sample_root
             self.progress = EpochProgress(
                 epoch=start.epoch,
                 rng_start=rng_start,
                 base_seed=base_seed,
                 drew_base_seed=start.draw_base_seed,
                 position=Position(yielded=yielded, turn=start.turn, workers=tuple(workers), skip=skip),
-                sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
+                # the epoch's own facts drawn or read now; the rest as the start has them
+                record=replace(
+                    start.record,
+                    sampler_epoch=None if sampler_with_epoch is None else int(sampler_with_epoch.epoch),
+                    in_order=start.record.in_order and not self.as_ready,
+                    shared_seed=shared_seed,
+                    sample_root=None if not settings.options.seed_per_sample else root,
+                ),
                 plan_skip=first_due(workers),
                 logical_workers=logical,
-                in_order=start.in_order and not self.as_ready,
-                shared_seed=shared_seed,
                 sample_seed=settings.sample_seed_for(root, start.epoch),
-                sample_root=None if not settings.options.seed_per_sample else root,
-                item_offset=start.item_offset,
-                epoch_length=start.epoch_length,
             )
             self._warn_or_refuse_replay()
             self._ready_workers(base_seed)
@@ -163,7 +166,7 @@ class SnapIterator:
                 sampler_rngs.begin(self.progress, index_sampler, settings.auto_collation, (settings.dataset, settings.generator), settings.options.exclude_rngs)
                 start_at = self.progress.plan_skip
                 plan = IndexPlan(
-                    index_sampler, start_at, start.sampler_state, state_at=at_start, item_offset=start.item_offset
+                    index_sampler, start_at, start.sampler_state, state_at=at_start, item_offset=start.record.item_offset
                 )
                 counts = [share_count(ledger) for ledger in workers]
                 self.mapping = MapDispatch(

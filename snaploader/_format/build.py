@@ -26,6 +26,7 @@ from .checkpoint import (
     sha256_text,
 )
 from .fingerprint import CHECKED_KEYS, Fingerprint
+from .._state.epoch_record import COLUMNS, EpochRecord
 from .._state.ledger import EpochProgress, Position, WorkerLedger
 from .._state.published import Seen
 from .._state.records import Snapshot
@@ -173,23 +174,25 @@ def _epoch_fields(progress: EpochProgress) -> tuple[dict[str, Any], dict[str, st
         "rng_start": _plain.b64(progress.rng_start),
         "base_seed": progress.base_seed,
         "drew_base_seed": progress.drew_base_seed,
-        "shared_seed": progress.shared_seed,
-        "sampler_epoch": progress.sampler_epoch,
         "logical_workers": progress.logical_workers,
-        "in_order": progress.in_order,
+        # an epoch part's fields (_format/resize.py) and seed_per_sample's root are written
+        # only when set: an ordinary checkpoint has none for an edit to turn into one
+        **record_fields(progress.record),
     }
-    # Written only in an epoch part (_format/resize.py): an ordinary checkpoint is
-    # unchanged, and has no such field for an edit to turn into one.
-    if progress.item_offset:
-        fields["item_offset"] = progress.item_offset
-    if progress.epoch_length is not None:
-        fields["epoch_length"] = progress.epoch_length
-    # Written only with seed_per_sample (NOTE [ per-sample root ] in _rng/per_sample.py).
-    if progress.sample_root is not None:
-        fields["sample_root"] = progress.sample_root
     made = (fields, _pieces(fields))
     progress.cache["fields"] = made
     return made
+
+
+def record_fields(record: EpochRecord) -> dict[str, Any]:
+    """The checkpoint's fields of the epoch's ``record``, in the record's order: a sparse
+    one only when it is not its default."""
+    out = {}
+    for name, default, column in COLUMNS:
+        value = getattr(record, name)
+        if not (column.sparse and value == default):
+            out[name] = value
+    return out
 
 
 def _pieces(fields: dict[str, Any]) -> dict[str, str]:
@@ -246,8 +249,8 @@ def build_state(fingerprint: Fingerprint, seen: Seen, source: RngSource, logical
     ledgers: list[tuple[dict[str, Any], str]] = []
     if progress is None:
         fixed: dict[str, Any] = {
-            "epoch": -1, "rng_start": None, "base_seed": None, "drew_base_seed": True, "shared_seed": None,
-            "sampler_epoch": None, "logical_workers": logical, "in_order": True,
+            "epoch": -1, "rng_start": None, "base_seed": None, "drew_base_seed": True, "logical_workers": logical,
+            **record_fields(EpochRecord()),
         }
         fixed_pieces = _pieces(fixed)
         # No epoch begun: a position given says only the skip a load asked for.
@@ -329,13 +332,8 @@ def _begun(checkpoint: Checkpoint, ledgers: list[WorkerLedger], skip: int) -> Se
         base_seed=checkpoint.base_seed,
         drew_base_seed=checkpoint.drew_base_seed,
         position=position,
-        sampler_epoch=checkpoint.sampler_epoch,
         logical_workers=checkpoint.logical_workers,
-        in_order=checkpoint.in_order,
-        shared_seed=checkpoint.shared_seed,
-        item_offset=checkpoint.item_offset,
-        epoch_length=checkpoint.epoch_length,
-        sample_root=checkpoint.sample_root,
+        record=checkpoint.record,
         sampler_rngs=None if checkpoint.ended else checkpoint.sampler_rngs,
         sampler_rngs_next=checkpoint.sampler_rngs if checkpoint.ended else None,
     )

@@ -30,30 +30,18 @@ Layout (version 3; version 2 is read too, see ``READABLE_VERSIONS``)::
     rng_start      base64 of that generator's state at the epoch start, or None
     rng_next       base64 of the generator's state for the next epoch, or None
     base_seed      the epoch's worker base seed; drew_base_seed: drawn this epoch
-    shared_seed    an IterDataPipe's seed for the epoch (drawn from rng_start before
-                   base_seed; rank 0's under torch.distributed), or None for another
-                   dataset; absent in older files: None
     sampler_state  {state, done}: the stateful sampler's state before the next batch
                    (done: it has nothing left this epoch), or None
-    sampler_epoch  the sampler's ``epoch`` (DistributedSampler), or None
     logical_workers the epoch's logical worker count (0: num_workers=0's main-process
                    contract); the stream's, whatever num_workers resumes it
                    (NOTE [ logical workers ] in _workers/worker_loop.py)
     skip           batches still to skip before the next one is yielded (a skip asked
                    with ``load_state_dict(skip=...)`` and not yet carried out; it
                    applies to the next epoch when ``ended``); absent in older files: 0
-    in_order       False when the epoch's batches may have been yielded out of the fixed
-                   order (in_order=False): the ledgers' counts are then the position,
-                   and ``yielded`` only their sum; absent in older files: True
-    item_offset    sampler items consumed before the epoch's batch 0, for an epoch
-                   resumed with another batch size (_format/resize.py); written only
-                   when not 0 (absent: 0)
-    epoch_length   the dataset length the epoch runs over when a resume changed it
-                   (_format/resize.py); written only then (absent: the fingerprint's)
-    sample_root    seed_per_sample: the run's per-sample root, the base seed of the
-                   loader's first epoch (NOTE [ per-sample root ] in
-                   _rng/per_sample.py); written only with the option (absent: the
-                   epoch's base seed is the root)
+    shared_seed, sampler_epoch, in_order, item_offset, epoch_length, sample_root
+                   the epoch's record (``_state/epoch_record.py``: each field's meaning,
+                   its types and range, its default, which older files may lack it
+                   and which are written only when not their default)
     sampler_rngs   base64 of the states of the generator objects the sampler and batch
                    sampler hold (encoded as a snapshot's objects, _rng/kinds.py): at the
                    epoch start, or for the next epoch when ``ended``
@@ -83,11 +71,12 @@ _format/checkpoint.py): not covered by the digest, not read.
 
 User data (``data``, ``sampler_state.state``) is stored through ``_format/plain.py``'s ``encode``.
 
-Adding a field:
-give it a row in ``_format/parse.py``'s tables with the default that an older file's
-absence of it means (an opt-in loader option recorded in the fingerprint: its "off"
-value; a new position field: the value that describes the old behaviour), and a field
-here; files without it keep loading, so the format version does not change for it.
+Adding a field: one the checkpoint keeps for an epoch is a field of the epoch's record
+(``_state/epoch_record.py`` says how); the field tables below are derived from it. Any
+other field gets a row in the tables here with the default that an older file's absence
+of it means (``ADDED_TOP``), and its read in ``_format/parse.py`` and write in
+``_format/build.py``; files without it keep loading, so the format version does not
+change for it.
 """
 
 from __future__ import annotations
@@ -101,6 +90,7 @@ from typing import Any, Final
 
 from .plain import check_depth  # distributed/resharded.py imports it from here
 from .._errors import CheckpointFormatError
+from .._state.epoch_record import COLUMNS, EpochRecord
 from .._state.ledger import WorkerLedger
 
 FORMAT: Final = "snaploader"
@@ -139,18 +129,13 @@ TOP_FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "rng_next": _OPTIONAL_STR,
     "base_seed": _OPTIONAL_INT,
     "drew_base_seed": (bool,),
-    "shared_seed": _OPTIONAL_INT,
     "sampler_state": (dict, type(None)),
-    "sampler_epoch": _OPTIONAL_INT,
     "logical_workers": (int,),
     "skip": (int,),
-    "in_order": (bool,),
-    "item_offset": (int,),
-    "epoch_length": _OPTIONAL_INT,
-    "sample_root": _OPTIONAL_INT,
     "sampler_rngs": _OPTIONAL_STR,
     "next_batches": (list,),
     "workers": (list,),
+    **{name: column.kinds for name, _, column in COLUMNS},  # the epoch's record
 }
 LEDGER_FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "worker": (int,),
@@ -202,8 +187,8 @@ FINGERPRINT_FIELDS: Final[dict[str, tuple[type, ...]]] = {
 
 # Fields added to a version after it was first written: their absence means this.
 ADDED_TOP: Final[dict[str, Any]] = {
-    "skip": 0, "in_order": True, "shared_seed": None, "item_offset": 0, "epoch_length": None,
-    "sample_root": None, "sampler_rngs": None,
+    "skip": 0, "sampler_rngs": None,
+    **{name: default for name, default, column in COLUMNS if not column.required},
 }
 ADDED_LEDGER: Final[dict[str, Any]] = {"skipped": 0}
 
@@ -258,20 +243,10 @@ class Checkpoint:
     rng_next: bytes | None
     base_seed: int | None
     drew_base_seed: bool
-    shared_seed: int | None  # an IterDataPipe's seed for the epoch (drawn before base_seed)
     sampler_state: SamplerPosition | None
-    sampler_epoch: int | None
     logical_workers: int
     skip: int
-    in_order: bool
-    # An epoch part resumed with another batch size or dataset length (_format/resize.py):
-    # the sampler items consumed before its batch 0, and the length it runs over (None:
-    # the fingerprint's).
-    item_offset: int
-    epoch_length: int | None
-    # seed_per_sample: the run's per-sample root (NOTE [ per-sample root ] in
-    # _rng/per_sample.py); None: the epoch's base seed is (older files, option off).
-    sample_root: int | None
+    record: EpochRecord  # shared_seed, sampler_epoch, in_order, item_offset, epoch_length, sample_root
     # The generator objects the sampler and batch sampler hold (_epoch/sampler_rngs.py),
     # encoded as a snapshot's objects: as of the epoch start (mid-epoch), or for the next
     # epoch (ended); None: they hold none, or the file predates them.

@@ -55,11 +55,11 @@ def _order(checkpoint: Checkpoint) -> tuple[list[int] | None, str | None]:
         return list(range(n)), None
     if kind == "DistributedSampler":
         args = checkpoint.distributed
-        if args is None or checkpoint.sampler_epoch is None:
+        if args is None or checkpoint.record.sampler_epoch is None:
             return None, "the checkpoint does not record the DistributedSampler's arguments and epoch"
         sampler: DistributedSampler[int] = DistributedSampler(range(n), num_replicas=args.num_replicas, rank=args.rank,  # type: ignore[arg-type]
                                      shuffle=args.shuffle, seed=args.seed, drop_last=args.drop_last)
-        sampler.set_epoch(checkpoint.sampler_epoch)
+        sampler.set_epoch(checkpoint.record.sampler_epoch)
         return list(sampler), None
     if checkpoint.rng_start is None:
         return None, "the checkpoint holds no generator state for the epoch start"
@@ -72,9 +72,9 @@ def _indices(checkpoint: Checkpoint) -> tuple[list[int] | None, str | None]:
         return None, "an iterable dataset has no indices"
     if checkpoint.epoch < 0:
         return [], None
-    if not checkpoint.in_order and not checkpoint.ended:
+    if not checkpoint.record.in_order and not checkpoint.ended:
         return None, "taken mid-epoch with in_order=False: its yielded batches are not the epoch's first ones"
-    if checkpoint.item_offset or checkpoint.epoch_length is not None:
+    if checkpoint.record.item_offset or checkpoint.record.epoch_length is not None:
         return None, "the epoch was resumed with another batch size or dataset length"
     # torch's own BatchSampler from batch_size is recorded as "BatchSampler" beside a batch
     # size; one the user gave is recorded without one (torch sets batch_size to None)

@@ -46,6 +46,7 @@ from .._state.options import MAX_LOGICAL_WORKERS
 from .._rng.capture import RngSource, check_rng
 from .._rng.objects import check_objects
 from .._rng.twist import LOAD_TWISTS, code_twists
+from .._state.epoch_record import COLUMNS, EpochRecord
 from .._state.ledger import WorkerLedger
 from .._state.records import Snapshot
 
@@ -180,25 +181,19 @@ def _checked(state: dict[str, Any], version: int) -> Checkpoint:
     rng_start = None if top["rng_start"] is None else _generator_state("loader state['rng_start']", top["rng_start"])
     rng_next = None if top["rng_next"] is None else _generator_state("loader state['rng_next']", top["rng_next"])
     _at_least("loader state['skip']", top["skip"], 0)
-    _at_least("loader state['item_offset']", top["item_offset"], 0)
-    if top["epoch_length"] is not None:
-        _at_least("loader state['epoch_length']", top["epoch_length"], 0)
-    if top["sampler_epoch"] is not None:
-        _at_least("loader state['sampler_epoch']", top["sampler_epoch"], 0)
-        if distributed is not None and distributed.seed + top["sampler_epoch"] not in _SEED_RANGE:
-            # DistributedSampler seeds its generator with seed + epoch at iter()
-            raise _fail(
-                "loader state['sampler_epoch']",
-                f"is {top['sampler_epoch']}; with the sampler's seed {distributed.seed} it makes a seed "
-                "outside [-2**63, 2**63), which torch's DistributedSampler cannot use",
-            )
-    if top["shared_seed"] is not None and top["shared_seed"] not in _SEED_RANGE:
-        raise _fail("loader state['shared_seed']", f"is {top['shared_seed']}; expected an int in [-2**63, 2**63)")
-    sample_root = top["sample_root"]
+    record = _record(top)
+    if record.sampler_epoch is not None and distributed is not None and distributed.seed + record.sampler_epoch not in _SEED_RANGE:
+        # DistributedSampler seeds its generator with seed + epoch at iter()
+        raise _fail(
+            "loader state['sampler_epoch']",
+            f"is {record.sampler_epoch}; with the sampler's seed {distributed.seed} it makes a seed "
+            "outside [-2**63, 2**63), which torch's DistributedSampler cannot use",
+        )
+    sample_root = record.sample_root
     if sample_root is not None and not (epoch >= 0 and 0 <= sample_root < 2**63):
         raise _fail("loader state['sample_root']", f"is {sample_root}; expected None, or a base seed in [0, 2**63) in an epoch that started")
     sampler_rngs = None if top["sampler_rngs"] is None else _objects_blob("loader state['sampler_rngs']", top["sampler_rngs"])
-    if epoch == -1 and top["shared_seed"] is not None:
+    if epoch == -1 and record.shared_seed is not None:
         raise _fail("loader state['shared_seed']", "is set, but the state describes no epoch (epoch -1)")
     if epoch == -1:
         if not top["ended"] or yielded or raw_workers or rng_start is not None:
@@ -236,19 +231,27 @@ def _checked(state: dict[str, Any], version: int) -> Checkpoint:
         rng_next=rng_next,
         base_seed=top["base_seed"],
         drew_base_seed=top["drew_base_seed"],
-        shared_seed=top["shared_seed"],
         sampler_state=sampler_state,
-        sampler_epoch=top["sampler_epoch"],
         logical_workers=logical,
         skip=top["skip"],
-        in_order=top["in_order"],
-        item_offset=top["item_offset"],
-        epoch_length=top["epoch_length"],
-        sample_root=sample_root,
+        record=record,
         sampler_rngs=sampler_rngs,
         next_batches=next_batches,
         workers=workers,
     )
+
+
+def _record(top: dict[str, Any]) -> EpochRecord:
+    """The epoch's record, each field's range checked by its column (its types were)."""
+    for name, _, column in COLUMNS:
+        value, where = top[name], f"loader state[{name!r}]"
+        if value is None or type(value) is bool:
+            continue
+        if column.low is not None:
+            _at_least(where, value, column.low)
+        if column.seed and value not in _SEED_RANGE:
+            raise _fail(where, f"is {value}; expected an int in [-2**63, 2**63)")
+    return EpochRecord(**{name: top[name] for name, _, _ in COLUMNS})
 
 
 def _fingerprint(value: dict[str, Any]) -> tuple[dict[str, Any], DistributedArgs | None]:

@@ -30,7 +30,6 @@ from torch.utils.data.distributed import DistributedSampler
 from .._errors import CheckpointMismatchError
 from .fingerprint import Fingerprint
 from .._state.ledger import EpochStart, WorkerLedger, first_due
-from .._state.protocol import stateful_part
 
 
 class _Sized:
@@ -51,7 +50,7 @@ def rebatched(start: EpochStart, old_size: int | None, new_size: int | None) -> 
             "batch size can change at resume only between two loaders that batch with "
             "torch's BatchSampler (batch_size= given, no batch_sampler=)"
         )
-    if not start.in_order:
+    if not start.record.in_order:
         raise CheckpointMismatchError(
             f"the checkpoint was taken in the middle of epoch {start.epoch} with in_order=False: "
             "its yielded batches are not the first ones of the epoch, and resuming with "
@@ -65,7 +64,7 @@ def rebatched(start: EpochStart, old_size: int | None, new_size: int | None) -> 
             "(load_state_dict(skip=...)) from a checkpoint without one"
         )
     consumed = first_due(start.workers or [])
-    return _part(start, start.item_offset + consumed * old_size)
+    return _part(start, start.record.item_offset + consumed * old_size)
 
 
 def reworlded(start: EpochStart, item_offset: int, done: bool) -> EpochStart:
@@ -89,7 +88,9 @@ def reworlded(start: EpochStart, item_offset: int, done: bool) -> EpochStart:
 def _part(start: EpochStart, item_offset: int) -> EpochStart:
     # Each logical worker goes on from the snapshot after its last yielded batch.
     workers = [WorkerLedger(epoch_start=ledger.yielded or ledger.epoch_start) for ledger in start.workers or []]
-    return replace(start, workers=workers, yielded=0, turn=0, next_batches=None, item_offset=item_offset)
+    return replace(
+        start, workers=workers, yielded=0, turn=0, next_batches=None, record=replace(start.record, item_offset=item_offset)
+    )
 
 
 def old_range_sampler(index_sampler: Any, old_length: int, new_length: int | None) -> Any:
@@ -136,11 +137,13 @@ def resized(start: EpochStart, saved: Mapping[str, Any], mine: Fingerprint, inde
     allowed or are none)."""
     if saved["batch_size"] != mine.values["batch_size"]:
         start = rebatched(start, saved["batch_size"], mine.values["batch_size"])
-    old_length = saved["dataset_length"] if start.epoch_length is None else start.epoch_length
+    old_length = saved["dataset_length"] if start.record.epoch_length is None else start.record.epoch_length
     new_length = mine.values["dataset_length"]
     if old_length is not None and old_length != new_length:
         start = replace(
-            start, epoch_length=old_length, index_sampler=old_range_sampler(index_sampler, old_length, new_length)
+            start,
+            record=replace(start.record, epoch_length=old_length),
+            index_sampler=old_range_sampler(index_sampler, old_length, new_length),
         )
     return start
 
@@ -167,15 +170,3 @@ def batch_count(items: int, batch_size: int, drop_last: bool) -> int:
     items = max(0, items)
     return items // batch_size if drop_last else -(-items // batch_size)
 
-
-def another_world(index_sampler: Any, position: Any) -> tuple[int, bool] | None:
-    """For the mid-epoch ``position`` (a ``SamplerPosition``) of a stateful sampler that
-    deals one stream to the ranks, taken on another world size: this rank's items of
-    the epoch (``len(sampler)``) that stand before it in this world, and whether none
-    are left after it. None for any other sampler or a position of this world size."""
-    stateful = stateful_part(index_sampler)
-    offset_of = getattr(stateful, "_snaploader_item_offset", None)
-    if stateful is None or offset_of is None or position is None:
-        return None
-    offset = offset_of(position.state)
-    return None if offset is None else (offset, offset >= len(stateful))

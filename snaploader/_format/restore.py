@@ -29,12 +29,12 @@ from .build import loaded_state
 from .checkpoint import Checkpoint
 from .fingerprint import Fingerprint, check_fingerprint
 from .parse import parse
-from .resize import another_world, part_batches, resized, reworlded
-from .schema import LoaderFacts, check_consistent
+from .resize import part_batches, resized, reworlded
+from .schema import LoaderFacts, another_world, check_consistent, check_sampler_resume, check_seeds
 from .skip import skip_count
 from .._errors import CheckpointFormatError
 from .._state.ledger import EpochStart, WorkerLedger
-from .._state.protocol import check_own_states, stateful_part
+from .._state.protocol import check_own_states
 from .._state.records import Snapshot
 from .._state.replay import announce_replay
 from .._rng.capture import RngSource
@@ -133,7 +133,7 @@ def plan_restore(state: Any, target: Target, allowed: frozenset[str], skip: Any,
     checkpoint, start, ledgers, sampler_rngs, world = _read(state, target, allowed)
     if target.facts.state_protocol and not checkpoint.ended:
         check_own_states(target.dataset, ledgers)
-    if not start.in_order and (skip or skip_to is not None):
+    if not start.record.in_order and (skip or skip_to is not None):
         raise ValueError(
             f"skip={skip}, skip_to={skip_to}: a skip counts batches in the fixed order, "
             f"and this checkpoint was taken in the middle of epoch {start.epoch} "
@@ -145,7 +145,7 @@ def plan_restore(state: Any, target: Target, allowed: frozenset[str], skip: Any,
         start = resized(start, checkpoint.fingerprint, target.fingerprint, target.index_sampler)
         if world is not None:
             start = reworlded(start, *world)
-    batches = None if iterable else part_batches(target.index_sampler, start.item_offset, start.epoch_length)
+    batches = None if iterable else part_batches(target.index_sampler, start.record.item_offset, start.record.epoch_length)
     start = replace(start, skip=start.skip + skip_count(start, skip, skip_to, batches))
     if start.rng_start is not None:
         announce_replay(
@@ -184,8 +184,8 @@ def _read(
     world = None if facts.iterable else another_world(target.index_sampler, checkpoint.sampler_state)
     if (
         any(saved[key] != mine.values[key] for key in ("batch_size", "dataset_length"))
-        or checkpoint.item_offset
-        or checkpoint.epoch_length is not None
+        or checkpoint.record.item_offset
+        or checkpoint.record.epoch_length is not None
         or world is not None
     ):
         # an epoch part of another batch size or length (_format/resize.py), or one
@@ -193,9 +193,9 @@ def _read(
         facts = replace(facts, batches_per_epoch=None)
     check_consistent(checkpoint, facts)
     if not facts.iterable:
-        check_sampler_resume(target.index_sampler, checkpoint.sampler_state, allowed, checkpoint.in_order or checkpoint.ended)
+        check_sampler_resume(target.index_sampler, checkpoint.sampler_state, allowed, checkpoint.record.in_order or checkpoint.ended)
     if not checkpoint.ended:
-        _check_seeds(checkpoint, target)
+        check_seeds(checkpoint, target.datapipe, target.dataset)
     logical = checkpoint.logical_workers
     # What a finished epoch carries at num_workers=0 is the dataset's data, read before
     # the twist codes are replayed (they change only the RNG states).
@@ -214,10 +214,10 @@ def _read(
                 workers=[ledger.next_epoch() for ledger in ledgers],
                 skip=checkpoint.skip,
                 logical_workers=logical,
-                sample_root=checkpoint.sample_root,
+                record=checkpoint.record.next_epoch(),
             )
         else:
-            start = EpochStart(epoch=checkpoint.epoch + 1, skip=checkpoint.skip, sample_root=checkpoint.sample_root)
+            start = EpochStart(epoch=checkpoint.epoch + 1, skip=checkpoint.skip, record=checkpoint.record.next_epoch())
         return checkpoint, replace(start, dataset_state=carried), ledgers, sampler_rngs, world
     expected = [None if e is None else (e.produced, e.digest) for e in checkpoint.next_batches]
     start = EpochStart(
@@ -226,56 +226,13 @@ def _read(
         rng_start=checkpoint.rng_start,
         base_seed=checkpoint.base_seed,
         draw_base_seed=checkpoint.drew_base_seed,
-        shared_seed=checkpoint.shared_seed,
         yielded=checkpoint.yielded,
         turn=checkpoint.turn,
         workers=ledgers,
         sampler_state=sampler_state,
-        sampler_epoch=checkpoint.sampler_epoch,
         skip=checkpoint.skip,
         logical_workers=logical,
-        in_order=checkpoint.in_order,
-        item_offset=checkpoint.item_offset,
-        epoch_length=checkpoint.epoch_length,
-        sample_root=checkpoint.sample_root,
+        record=checkpoint.record,
     )
     return checkpoint, start, ledgers, sampler_rngs, world
 
-
-def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[str], prefix: bool) -> None:
-    """Let a stateful sampler that checks its own resume (a Mixture's: its weights and
-    sources) see the checkpoint's state of it and ``allow_mismatch`` before anything is
-    loaded; refuse ``allow_mismatch`` names that only such a sampler checks when this
-    loader's has no such check. ``position``: the checkpoint's ``SamplerPosition`` or
-    None; ``prefix``: whether the batches behind the position are the epoch's first ones
-    (not so mid-epoch with ``in_order=False``)."""
-    stateful = stateful_part(index_sampler)
-    check = getattr(stateful, "_snaploader_check_resume", None)
-    if check is None:
-        if "weights" in allowed:
-            raise ValueError(
-                f"allow_mismatch names 'weights', which only a Mixture's sampler checks; this "
-                f"loader's sampler is {type(index_sampler).__name__}: leave 'weights' out"
-            )
-        return
-    if position is not None:
-        check(position.state, allowed, prefix)
-
-
-def shared_seed_error(epoch: int, had_shared_seed: bool, dataset: Any) -> CheckpointFormatError:
-    had = "an IterDataPipe" if had_shared_seed else "a dataset that is not an IterDataPipe"
-    return CheckpointFormatError(
-        f"restoring epoch {epoch}: loader state['shared_seed'] says the checkpoint "
-        f"was taken with {had}, but this loader's dataset is a "
-        f"{type(dataset).__qualname__}. Load the checkpoint into a loader "
-        "of the same dataset, or start the epoch afresh"
-    )
-
-
-def _check_seeds(checkpoint: Checkpoint, target: Target) -> None:
-    """Whether the interrupted epoch drew an IterDataPipe's shared seed before its base
-    seed (``_workers/datapipe.py``), as this loader's dataset will when the epoch is
-    drawn again: refused here, at ``load_state_dict()``, not at ``iter()``. (The base
-    seed's agreement with ``rng_start`` is the parse's.)"""
-    if target.datapipe != (checkpoint.shared_seed is not None):
-        raise shared_seed_error(checkpoint.epoch, checkpoint.shared_seed is not None, target.dataset)

@@ -1,5 +1,7 @@
 """Whether a parsed checkpoint fits the loader it is loaded into: :class:`LoaderFacts`
-(what the loader says of itself) and :func:`check_consistent`, run on the
+(what the loader says of itself) and :func:`check_consistent`, with what its sampler
+(:func:`check_sampler_resume`, :func:`another_world`) and dataset (:func:`check_seeds`)
+say of it, run on the
 :class:`~snaploader._format.checkpoint.Checkpoint` that ``_format/parse.py`` made, after
 the fingerprint comparison and before anything forks (``_format/restore.plan_restore``).
 """
@@ -7,10 +9,12 @@ the fingerprint comparison and before anything forks (``_format/restore.plan_res
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .checkpoint import Checkpoint
 from .._errors import CheckpointFormatError
 from .._state.ledger import share_count
+from .._state.protocol import stateful_part
 from .._state.records import Snapshot
 
 
@@ -62,7 +66,7 @@ def check_consistent(checkpoint: Checkpoint, facts: LoaderFacts) -> None:
                 _check_snapshot(f"{where}[{key!r}]", snapshot, facts)
         if ledger.skipped and facts.iterable:
             raise _fail(f"{where}['skipped']", "is set for an iterable dataset, whose skipped batches are produced")
-        if not facts.iterable and checkpoint.in_order:
+        if not facts.iterable and checkpoint.record.in_order:
             # Map-style batch k comes from worker k mod W: the counts are fixed.
             due = len(range(w, yielded, slots))
             if produced[w] != due:
@@ -74,7 +78,7 @@ def check_consistent(checkpoint: Checkpoint, facts: LoaderFacts) -> None:
                 raise _fail(f"{where}['yielded']", f"says {produced[w]} batch(es) produced; its share of the epoch is {share}")
     if facts.iterable and ended and not all(ledger.exhausted for ledger in checkpoint.workers):
         raise _fail("loader state['ended']", "is True, but not every worker of the iterable ran dry")
-    if facts.iterable and checkpoint.in_order:
+    if facts.iterable and checkpoint.record.in_order:
         # The round-robin visits the slots not yet exhausted in order from slot 0: each
         # has produced the same number of batches, one more for those before ``turn``.
         live = [w for w, ledger in enumerate(checkpoint.workers) if not ledger.exhausted]
@@ -123,3 +127,55 @@ def _check_snapshot(where: str, snapshot: Snapshot, facts: LoaderFacts) -> None:
         )
     if snapshot.complete and owner is None:
         raise _fail(f"{where}['complete']", "is True for a snapshot that holds no dataset or iterator state")
+
+
+def another_world(index_sampler: Any, position: Any) -> tuple[int, bool] | None:
+    """For the mid-epoch ``position`` (a ``SamplerPosition``) of a stateful sampler that
+    deals one stream to the ranks, taken on another world size: this rank's items of
+    the epoch (``len(sampler)``) that stand before it in this world, and whether none
+    are left after it. None for any other sampler or a position of this world size."""
+    stateful = stateful_part(index_sampler)
+    offset_of = getattr(stateful, "_snaploader_item_offset", None)
+    if stateful is None or offset_of is None or position is None:
+        return None
+    offset = offset_of(position.state)
+    return None if offset is None else (offset, offset >= len(stateful))
+
+
+def check_sampler_resume(index_sampler: Any, position: Any, allowed: frozenset[str], prefix: bool) -> None:
+    """Let a stateful sampler that checks its own resume (a Mixture's: its weights and
+    sources) see the checkpoint's state of it and ``allow_mismatch`` before anything is
+    loaded; refuse ``allow_mismatch`` names that only such a sampler checks when this
+    loader's has no such check. ``position``: the checkpoint's ``SamplerPosition`` or
+    None; ``prefix``: whether the batches behind the position are the epoch's first ones
+    (not so mid-epoch with ``in_order=False``)."""
+    stateful = stateful_part(index_sampler)
+    check = getattr(stateful, "_snaploader_check_resume", None)
+    if check is None:
+        if "weights" in allowed:
+            raise ValueError(
+                f"allow_mismatch names 'weights', which only a Mixture's sampler checks; this "
+                f"loader's sampler is {type(index_sampler).__name__}: leave 'weights' out"
+            )
+        return
+    if position is not None:
+        check(position.state, allowed, prefix)
+
+
+def shared_seed_error(epoch: int, had_shared_seed: bool, dataset: Any) -> CheckpointFormatError:
+    had = "an IterDataPipe" if had_shared_seed else "a dataset that is not an IterDataPipe"
+    return CheckpointFormatError(
+        f"restoring epoch {epoch}: loader state['shared_seed'] says the checkpoint "
+        f"was taken with {had}, but this loader's dataset is a "
+        f"{type(dataset).__qualname__}. Load the checkpoint into a loader "
+        "of the same dataset, or start the epoch afresh"
+    )
+
+
+def check_seeds(checkpoint: Checkpoint, datapipe: bool, dataset: Any) -> None:
+    """Whether the interrupted epoch drew an IterDataPipe's shared seed before its base
+    seed (``_workers/datapipe.py``), as this loader's dataset will when the epoch is
+    drawn again: refused here, at ``load_state_dict()``, not at ``iter()``. (The base
+    seed's agreement with ``rng_start`` is the parse's.)"""
+    if datapipe != (checkpoint.record.shared_seed is not None):
+        raise shared_seed_error(checkpoint.epoch, checkpoint.record.shared_seed is not None, dataset)

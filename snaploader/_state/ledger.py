@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._rng.objects import ObjectRngs
+from .epoch_record import EpochRecord
 from .records import Resume, Snapshot
 
 
@@ -160,7 +161,9 @@ class EpochProgress:
     base_seed: int
     drew_base_seed: bool
     position: Position
-    sampler_epoch: int | None = None
+    # shared_seed, sampler_epoch, in_order, item_offset, epoch_length, sample_root: what
+    # the checkpoint keeps of the epoch beside its position (_state/epoch_record.py)
+    record: EpochRecord = EpochRecord()
     plan_skip: int = 0  # batches the plan skipped when it was built (a restore)
     plan: Any = field(default=None, repr=False)  # the IndexPlan, for sampler states
     # The resume self-check (_workers/selfcheck.py): after a restore of a checkpoint that
@@ -173,23 +176,9 @@ class EpochProgress:
     # The logical worker count of the epoch (NOTE [ logical workers ] in _workers/worker_loop.py): 0
     # for the main-process contract of num_workers=0; one ledger per slot, max(1, it).
     logical_workers: int = 1
-    # False when batches may have been yielded out of the fixed order this epoch
-    # (in_order=False, or a restore of such a checkpoint): the per-worker counts are
-    # then all the position there is (_epoch/dispatch.py).
-    in_order: bool = True
-    # The epoch's shared seed for an IterDataPipe dataset (_workers/datapipe.py); None otherwise.
-    shared_seed: int | None = None
     # seed_per_sample: the seed every sample of the epoch derives its states from
     # (_rng/per_sample.py), sent with each task and resume; None when the option is off.
     sample_seed: int | None = None
-    # seed_per_sample: the run's per-sample root, the base seed of the loader's first
-    # epoch, carried from epoch to epoch and through checkpoints, so that the sample
-    # seed is epoch_seed(root, epoch) whatever persistent_workers
-    # (NOTE [ per-sample root ] in _rng/per_sample.py); None when the option is off.
-    sample_root: int | None = None
-    # An epoch part resumed with another batch size or dataset length (EpochStart's).
-    item_offset: int = 0
-    epoch_length: int | None = None
     # The generator objects the sampler holds (_epoch/sampler_rngs.py), and their
     # encoded states at the epoch start and, once it ended, for the next epoch.
     sampler_objects: ObjectRngs | None = field(default=None, repr=False)
@@ -214,8 +203,8 @@ class EpochProgress:
         """:func:`resume_after` for ``slot``'s ledger, with the epoch's seeds: the shared
         seed of an IterDataPipe and the per-sample seed, when the epoch has them."""
         msg = resume_after(self.position.workers[slot], received)
-        if self.shared_seed is not None:
-            msg = replace(msg, shared_seed=self.shared_seed)
+        if self.record.shared_seed is not None:
+            msg = replace(msg, shared_seed=self.record.shared_seed)
         if self.sample_seed is not None:
             msg = replace(msg, seed=self.sample_seed)
         return msg
@@ -299,25 +288,21 @@ class EpochStart:
     turn: int = 0
     workers: list[WorkerLedger] | None = None
     sampler_state: Any = None
-    sampler_epoch: int | None = None
     next_batches: list[tuple[int, str] | None] | None = None  # the self-check's
     skip: int = 0  # batches to skip before the next one is yielded (load_state_dict)
     logical_workers: int | None = None  # the epoch's logical worker count (None: the loader's)
-    in_order: bool = True  # False: a restored epoch yielded out of the fixed order
+    # A restore's record of the epoch (_state/epoch_record.py): its shared seed,
+    # sampler epoch, order, epoch part (another batch size or dataset length,
+    # _format/resize.py) and per-sample root; a fresh epoch's has only the root (None:
+    # this epoch's base seed is the root, a loader's first epoch).
+    record: EpochRecord = EpochRecord()
     # A checkpoint taken at num_workers=0 between epochs: the dataset's own state at the
     # end of the last one, loaded into the dataset at this epoch's start (it carries
     # over at num_workers=0, as in torch). None: nothing to load.
     dataset_state: Any = None
-    shared_seed: int | None = None  # a restore's IterDataPipe seed (rank 0's under torch.distributed)
-    # An epoch part resumed with another batch size or dataset length (_format/resize.py):
-    # the sampler items consumed before its batch 0, the old range's length, and the
-    # index sampler rebuilt over it (None: the loader's own).
-    item_offset: int = 0
-    epoch_length: int | None = None
+    # An epoch part resumed with another dataset length: the index sampler rebuilt over
+    # the old range (_format/resize.py; None: the loader's own).
     index_sampler: Any = None
-    # seed_per_sample: the run's per-sample root (EpochProgress's); None: this epoch's
-    # base seed is the root (a loader's first epoch, or a checkpoint that holds none)
-    sample_root: int | None = None
 
     @staticmethod
     def after(progress: EpochProgress, persistent: bool, logical: int) -> EpochStart:
@@ -326,12 +311,12 @@ class EpochStart:
         persistent workers do, when the count is the same; otherwise the epoch begins
         as a new loader's would (docs/elastic.md)."""
         if not persistent or progress.logical_workers != logical:
-            return EpochStart(epoch=progress.epoch + 1, sample_root=progress.sample_root)
+            return EpochStart(epoch=progress.epoch + 1, record=progress.record.next_epoch())
         return EpochStart(
             epoch=progress.epoch + 1,
             base_seed=progress.base_seed,
             draw_base_seed=False,
             workers=[ledger.next_epoch() for ledger in progress.workers],
             logical_workers=logical,
-            sample_root=progress.sample_root,
+            record=progress.record.next_epoch(),
         )

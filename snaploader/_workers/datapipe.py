@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 
-from .._format.restore import shared_seed_error
+from .._format.schema import shared_seed_error
 from .._rng.capture import RngSource
 from .._rng.kinds import is_generator
 from .._state.ledger import EpochStart
@@ -66,14 +66,14 @@ class SharedSeeds:
         restore makes the same draw, so the generator ends where it did, but keeps the
         checkpoint's seed: under torch.distributed it is rank 0's, which this rank cannot
         draw again."""
-        if restoring and self.datapipe != (start.shared_seed is not None):
+        if restoring and self.datapipe != (start.record.shared_seed is not None):
             # load_state_dict() refuses it first (_format/restore.py); an EpochStart made otherwise is held to it too
-            raise shared_seed_error(start.epoch, start.shared_seed is not None, self.dataset)
+            raise shared_seed_error(start.epoch, start.record.shared_seed is not None, self.dataset)
         if not self.datapipe:
             return None
         drawn = source.draw_base_seed()  # the same draw as torch's _share_dist_seed
-        if restoring and start.shared_seed is not None:
-            return start.shared_seed
+        if restoring and start.record.shared_seed is not None:
+            return start.record.shared_seed
         if self.group is None:
             return drawn
         tensor = torch.tensor(drawn, dtype=torch.int64)

@@ -35,6 +35,7 @@ from .._format import plain as _plain
 from .._format.checkpoint import Checkpoint
 from .._loader import DataLoader
 from .._rng.capture import RngSource
+from .._state.epoch_record import EpochRecord
 from .._state.ledger import EpochStart
 
 
@@ -55,7 +56,7 @@ class Continuation:
     def of(cls, checkpoints: Sequence[Checkpoint]) -> Continuation:
         """What the N checkpoints of one world (one step, one epoch) say of the epoch after theirs."""
         first = checkpoints[0]
-        roots = {c.base_seed if c.sample_root is None else c.sample_root for c in checkpoints}
+        roots = {c.base_seed if c.record.sample_root is None else c.record.sample_root for c in checkpoints}
         root = roots.pop() if first.epoch >= 0 and first.fingerprint.get("seed_per_sample", False) and len(roots) == 1 else None
         under_way = first.epoch >= 0 and not first.ended
         starts = _one_each([c.rng_start if c.rng_kind == "generator" else None for c in checkpoints]) if under_way else ()
@@ -71,7 +72,8 @@ class Continuation:
         if states and loader.generator is not None:
             RngSource(loader.generator).set_state(states[rank % len(states)])
         epoch = self.epoch if rest else self.epoch + 1
-        loader._pending = EpochStart(epoch=max(0, epoch), sample_root=self.sample_root if loader._snaploader_options.seed_per_sample else None)
+        root = self.sample_root if loader._snaploader_options.seed_per_sample else None
+        loader._pending = EpochStart(epoch=max(0, epoch), record=EpochRecord(sample_root=root))
 
     def to_plain(self) -> dict[str, Any]:
         return {

@@ -248,9 +248,9 @@ def _resume_during(during: list[ReshardedState], total: int, rank: int, world_si
 
 def _epoch_of(world: World) -> int | None:
     first = world.checkpoints[0]
-    if first.epoch < 0 or first.sampler_epoch is None:
+    if first.epoch < 0 or first.record.sampler_epoch is None:
         return None
-    return first.sampler_epoch + (1 if all(c.ended for c in world.checkpoints) else 0)
+    return first.record.sampler_epoch + (1 if all(c.ended for c in world.checkpoints) else 0)
 
 
 def reshard(

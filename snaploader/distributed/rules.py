@@ -232,7 +232,7 @@ def gather(states: Sequence[dict[str, Any]]) -> World:
 
 
 def _position(who: str, checkpoint: Checkpoint) -> tuple[int, bool, int]:
-    if not checkpoint.ended and (checkpoint.item_offset or checkpoint.epoch_length is not None):
+    if not checkpoint.ended and (checkpoint.record.item_offset or checkpoint.record.epoch_length is not None):
         raise _refuse(
             who,
             "was taken in an epoch resumed with another batch_size or dataset length, whose "
@@ -252,7 +252,7 @@ def require_in_order(checkpoints: Sequence[Checkpoint]) -> None:
     """Refuse to re-partition an epoch some rank yielded out of order: what is left of
     it is then not "all but the first N batches" of each rank."""
     for rank, checkpoint in enumerate(checkpoints):
-        if not checkpoint.in_order and not checkpoint.ended:
+        if not checkpoint.record.in_order and not checkpoint.ended:
             raise _refuse(
                 f"rank {rank}'s checkpoint",
                 "was taken in the middle of an epoch with in_order=False: its yielded "
@@ -263,9 +263,9 @@ def require_in_order(checkpoints: Sequence[Checkpoint]) -> None:
 
 
 def _source_of(checkpoints: list[Checkpoint]) -> Source:
-    epochs = {(c.epoch, c.sampler_epoch) for c in checkpoints}
+    epochs = {(c.epoch, c.record.sampler_epoch) for c in checkpoints}
     if len(epochs) > 1:
-        shown = ", ".join(f"rank {r}: epoch {c.epoch} (sampler epoch {c.sampler_epoch})" for r, c in enumerate(checkpoints))
+        shown = ", ".join(f"rank {r}: epoch {c.epoch} (sampler epoch {c.record.sampler_epoch})" for r, c in enumerate(checkpoints))
         raise CheckpointMismatchError(
             f"the checkpoints are from different epochs ({shown}); pass the checkpoints "
             "every rank saved at the same step"
@@ -282,7 +282,7 @@ def _source_of(checkpoints: list[Checkpoint]) -> Source:
         dataset_length=fingerprint["dataset_length"],
         batch_size=fingerprint["batch_size"],
         drop_last=fingerprint["drop_last"],
-        sampler_epoch=first.sampler_epoch if under_way else None,
+        sampler_epoch=first.record.sampler_epoch if under_way else None,
         # an epoch that ended has yielded all its batches (check_consistent)
         consumed=tuple(_position(f"rank {r}'s checkpoint", c)[2] for r, c in enumerate(checkpoints)),
         sample_seed=_sample_seed(checkpoints) if under_way else None,
@@ -296,7 +296,7 @@ def _sample_seed(checkpoints: Sequence[Checkpoint]) -> int | None:
     if not checkpoints[0].fingerprint.get("seed_per_sample", False):
         return None
     # NOTE [ per-sample root ] in _rng/per_sample.py
-    seeds = [checkpoint.base_seed if checkpoint.sample_root is None else checkpoint.sample_root for checkpoint in checkpoints]
+    seeds = [checkpoint.base_seed if checkpoint.record.sample_root is None else checkpoint.record.sample_root for checkpoint in checkpoints]
     if len(set(seeds)) > 1:
         raise ValueError(
             f"the ranks' loaders drew different base seeds for the run ({seeds}): "

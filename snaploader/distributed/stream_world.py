@@ -34,7 +34,7 @@ def _position(checkpoint: Checkpoint, who: str) -> tuple[Any, ...]:
     state = None if sampler is None else sampler.state
     if not isinstance(state, dict) or not isinstance(state.get("world"), list) or len(state["world"]) != 2:
         raise CheckpointFormatError(f"{who} has no stream position (its sampler state holds no [rank, world size])")
-    if not checkpoint.in_order and not checkpoint.ended:
+    if not checkpoint.record.in_order and not checkpoint.ended:
         raise CheckpointMismatchError(
             f"{who} was taken mid-epoch with in_order=False, whose yielded batches are not the "
             "first ones: another world size resumes from a checkpoint taken with in_order=True, "
