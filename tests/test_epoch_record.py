@@ -29,8 +29,12 @@ _OTHER: dict[str, Any] = {
 }
 
 
+def _loader(**kwargs: Any) -> snaploader.DataLoader[Any]:
+    return snaploader.DataLoader(Augmented(48), batch_size=3, shuffle=True, generator=generator(7), **kwargs)
+
+
 def _mid_epoch(batches: int = 2, **kwargs: Any) -> dict[str, Any]:
-    loader = snaploader.DataLoader(Augmented(48), batch_size=3, shuffle=True, generator=generator(7), **kwargs)
+    loader = _loader(**kwargs)
     iterator = iter(loader)
     for _ in range(batches):
         next(iterator)
@@ -105,11 +109,11 @@ def test_a_restored_epoch_carries_the_record_into_its_next_checkpoint() -> None:
     # record (and whole state) is the fresh run's at that position.
     kwargs: dict[str, Any] = {"seed_per_sample": True}
     state = _mid_epoch(2, **kwargs)
-    fresh = snaploader.DataLoader(Augmented(48), batch_size=3, shuffle=True, generator=generator(7), **kwargs)
+    fresh = _loader(**kwargs)
     iterator = iter(fresh)
     for _ in range(3):
         next(iterator)
-    restored = snaploader.DataLoader(Augmented(48), batch_size=3, shuffle=True, generator=generator(7), **kwargs)
+    restored = _loader(**kwargs)
     restored.load_state_dict(state)
     resumed = iter(restored)
     next(resumed)
