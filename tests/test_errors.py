@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pickle
+import random
+import sys
 import traceback
+import warnings
 from typing import Any
 
 import pytest
+import torch
 
 import snaploader
 
@@ -51,3 +55,67 @@ def test_an_unsigned_edit_that_breaks_a_field_is_named_beside_the_digest(workers
     with pytest.raises(snaploader.CheckpointFormatError, match=named) as caught:
         snaploader.DataLoader(list(range(8)), batch_size=2, num_workers=workers).load_state_dict(state)
     assert "['digest'] does not match" in str(caught.value)
+
+
+class _SharedRng(torch.utils.data.Dataset[int]):
+    """Every worker starts with the same generator object: the loader warns at iter()."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return self.rng.randrange(100) + index
+
+
+class _Wrapped(snaploader.DataLoader):  # type: ignore[type-arg]
+    """A user's subclass whose __iter__ calls snaploader's."""
+
+    def __iter__(self) -> Any:
+        return super().__iter__()
+
+
+def _warned_here(caught: list[warnings.WarningMessage], text: str) -> warnings.WarningMessage:
+    found = [w for w in caught if text in str(w.message)]
+    assert found, [str(w.message) for w in caught]
+    return found[0]
+
+
+def test_a_warning_points_at_the_users_next_and_iter() -> None:
+    # The census's warning comes while next() takes a batch (once both workers' first
+    # ones came); the pin-memory one at iter(): each names the line that called snaploader.
+    loader = snaploader.DataLoader(_SharedRng(), batch_size=2, num_workers=2, pin_memory=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iterator = iter(loader); line_iter = sys._getframe().f_lineno  # noqa: E702
+        list(iterator); line_next = sys._getframe().f_lineno  # noqa: E702
+    shared = _warned_here(caught, "in the same state")
+    assert (shared.filename, shared.lineno) == (__file__, line_next)
+    if not torch.accelerator.is_available():
+        pinned = _warned_here(caught, "'pin_memory' argument is set as true")
+        assert (pinned.filename, pinned.lineno) == (__file__, line_iter)
+
+
+def test_a_subclass_calling_the_entry_point_is_the_place_warned() -> None:
+    loader = _Wrapped(_SharedRng(), batch_size=2, num_workers=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(iter(loader))
+    shared = _warned_here(caught, "in the same state")
+    assert shared.filename == __file__
+
+
+def test_a_warning_raised_as_an_error_comes_out_of_the_entry_point() -> None:
+    loader = snaploader.DataLoader(_SharedRng(), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="in the same state") as raised:
+            for _ in iterator:
+                pass
+    # raised from the entry point's wrapper (its caller's line is the user's), after the
+    # call's work: no snaploader frame below the entry point's is on the traceback
+    frames = [frame.filename for frame in traceback.extract_tb(raised.tb)]
+    assert frames[0] == __file__ and len([f for f in frames if "snaploader" in f and "tests" not in f]) == 1

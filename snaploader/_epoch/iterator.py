@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 from functools import partial
-import warnings
 import weakref
 from typing import Any, Final
 
@@ -36,7 +35,8 @@ from .._errors import (
     WorkerCrashedError,
     length_message,
     short_indices,
-    user_stacklevel,
+    user_call,
+    warn_user,
 )
 from .._workers.inline_runner import InlineRunner
 from .._state.ledger import (
@@ -265,6 +265,7 @@ class SnapIterator:
     def __iter__(self) -> SnapIterator:
         return self
 
+    @user_call
     def __next__(self) -> Any:
         if self.invalidated:
             raise RuntimeError(self.invalidated)
@@ -344,12 +345,11 @@ class SnapIterator:
         while progress.position.skip:
             found = self._next_result(ordered=True)  # a skip counts in the fixed order
             if found is None:
-                warnings.warn(
+                warn_user(
                     f"the skip asked for {asked} batch(es) of epoch {progress.epoch}, but "
                     f"the epoch ended after {asked - progress.position.skip}; the skip does "
                     "not carry over into the next epoch",
                     UserWarning,
-                    stacklevel=user_stacklevel(),
                 )
                 return
             slot, task, result = found
@@ -373,7 +373,7 @@ class SnapIterator:
         if reported is None or yielded <= reported:
             return
         message = length_message(self.settings.dataset, reported, yielded, self.settings.num_workers)
-        warnings.warn(message, stacklevel=user_stacklevel())
+        warn_user(message)
 
     def _where(self, slot: int, task: Task) -> str:
         if self.settings.num_workers == 0:

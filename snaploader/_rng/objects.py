@@ -32,7 +32,6 @@ import functools
 import hashlib
 import os
 import types
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -40,7 +39,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from .._errors import CheckpointFormatError, user_stacklevel
+from .._errors import CheckpointFormatError, warn_user
 from .kinds import KINDS, Access, access_for, encode_entries, encode_header, is_generator, parse
 
 # NOTE [ bounded walk ]
@@ -367,7 +366,7 @@ class RngCensus:
     def _warn(self, message: str) -> None:
         if message not in self.warned:
             self.warned.add(message)
-            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
+            warn_user(message, UserWarning)
 
     def captured(self) -> list[tuple[str, str]]:
         """(path, kind) of every generator any worker reported, first-seen order."""

@@ -4,11 +4,10 @@ told about it (the ``replay`` option: a warning, nothing, or ReplayRefusedError)
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import ReplayRefusedError, user_stacklevel
+from .._errors import ReplayRefusedError, warn_user
 from .ledger import WorkerLedger, replay_without_protocol
 
 
@@ -26,7 +25,7 @@ def announce_replay(
     message = replay_message(dataset, replays, refused=mode == "refuse", state_protocol=state_protocol, lossy=lossy)
     if mode == "refuse":
         raise ReplayRefusedError(message)
-    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
+    warn_user(message, UserWarning)
 
 
 def replay_message(

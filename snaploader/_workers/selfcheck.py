@@ -25,12 +25,11 @@ the batch.
 from __future__ import annotations
 
 import hashlib
-import warnings
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from .._errors import ResumeMismatchWarning, user_stacklevel
+from .._errors import ResumeMismatchWarning, warn_user
 
 if TYPE_CHECKING:
     from .._state.ledger import EpochProgress
@@ -107,10 +106,9 @@ def check_restored_batch(progress: EpochProgress, slot: int, result: Result, wor
     if batch_digest(result.payload) == expected[1]:
         return
     progress.next_batches = []
-    warnings.warn(
+    warn_user(
         mismatch_message(progress.yielded, progress.epoch, worker, expected[0]),
         ResumeMismatchWarning,
-        stacklevel=user_stacklevel(),
     )
 
 
