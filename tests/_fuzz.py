@@ -292,6 +292,9 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     # checkpoint's wins at resume (docs/quickstart.md, DDP): a re-signed one is an epoch
     # asked for, drawn as asked; no check can tell it from the true one, since no index
     # of the permutation is stored. The digest's to catch too.
+    # A checkpoint without the sampler's generator states is what a release before they
+    # were recorded wrote, and loads with the sampler's generators left as built
+    # (tests/test_sampler_rngs.py): a re-signed removal of them is such a file.
     # With seed_per_sample the epoch number is one of the per-sample seeds' inputs
     # (NOTE [ per-sample root ]): a re-signed one is an epoch asked for, as the sampler's.
     # Both hold wherever a loader state sits (a ReshardedLoader's holds one under "rest").
@@ -299,6 +302,7 @@ def mutate(state: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], s
     users = (
         "data" in path or path[:2] == ("sampler_state", "state") or path == ("workers",)
         or path[-1:] in (("skip",), ("sampler_epoch",)) or (per_sample and path == ("epoch",))
+        or (path[-1:] == ("sampler_rngs",) and what.startswith("removed"))
     )
     # The per-sample root is a seed as rng_start is a state: any base seed is one.
     rng_words = path[-1] in ("rng", "rng_start", "rng_next", "sample_root") or _object_states_only(old_value, parent.get(key) if isinstance(parent, dict) else None)

@@ -159,7 +159,9 @@ def test_a_checkpoint_of_other_sampler_generators_is_a_named_error() -> None:
 @pytest.mark.parametrize(
     ("value", "error"),
     [(7, r"loader state\['sampler_rngs'\]"), ("not base64!", r"loader state\['sampler_rngs'\] is not valid base64"),
-     ("AAAA", r"loader state\['sampler_rngs'\] is not a generator-object state")],
+     ("AAAA", r"loader state\['sampler_rngs'\] is not a generator-object state"),
+     # set to None, the states are gone but the key says it was written: never by a release
+     (None, r"loader state\['sampler_rngs'\] is None; snaploader writes it only when")],
 )
 def test_a_malformed_sampler_rngs_names_the_key(value: Any, error: str) -> None:
     state = _state_of(lambda: _by_sampler("torch", 0, False))

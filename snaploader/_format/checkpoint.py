@@ -45,7 +45,8 @@ Layout (version 3; version 2 is read too, see ``READABLE_VERSIONS``)::
     sampler_rngs   base64 of the states of the generator objects the sampler and batch
                    sampler hold (encoded as a snapshot's objects, _rng/kinds.py): at the
                    epoch start, or for the next epoch when ``ended``
-                   (_epoch/sampler_rngs.py); written only when they hold one (absent: None)
+                   (_epoch/sampler_rngs.py); written only when they hold one (absent: an
+                   older file's, loaded with them left as built; None is refused)
     next_batches   one None per ledger (NOTE [ one state per position ] in _format/checkpoint.py);
                    files written before 2026-12-03 may hold per worker {produced, digest}
                    of its next batch when it had already arrived, still checked after a

@@ -192,6 +192,15 @@ def _checked(state: dict[str, Any], version: int) -> Checkpoint:
     sample_root = record.sample_root
     if sample_root is not None and not (epoch >= 0 and 0 <= sample_root < 2**63):
         raise _fail("loader state['sample_root']", f"is {sample_root}; expected None, or a base seed in [0, 2**63) in an epoch that started")
+    if "sampler_rngs" in state and state["sampler_rngs"] is None:
+        # Absent, it is an older file's (the sampler's generators left as built); no
+        # release writes it as None.
+        raise _fail(
+            "loader state['sampler_rngs']",
+            "is None; snaploader writes it only when the sampler holds generators (their "
+            "states) and leaves it out otherwise, so the checkpoint was edited. Load an "
+            "unmodified checkpoint",
+        )
     sampler_rngs = None if top["sampler_rngs"] is None else _objects_blob("loader state['sampler_rngs']", top["sampler_rngs"])
     if epoch == -1 and record.shared_seed is not None:
         raise _fail("loader state['shared_seed']", "is set, but the state describes no epoch (epoch -1)")
