@@ -21,7 +21,7 @@ from ._format.fingerprint import Fingerprint, fingerprint_of
 from ._format.schema import LoaderFacts
 from ._epoch.iterator import SnapIterator
 from ._epoch.settings import LoaderSettings
-from ._state.options import Options
+from ._options import Options
 from ._state.ledger import EpochProgress, EpochStart, current_epoch
 from ._state.published import Publisher
 from ._rng.objects import ObjectRngs, RngCensus, described, discover

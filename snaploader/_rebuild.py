@@ -10,7 +10,7 @@ from typing import Any
 import torch.utils.data as torch_data
 
 from ._loader import DataLoader
-from ._state.options import Options
+from ._options import Options
 
 # torch's DataLoader arguments (torch/utils/data/dataloader.py, DataLoader.__init__)
 # after the dataset; tests/test_rebuild.py checks this against torch's signature.

@@ -16,7 +16,8 @@ PACKAGE = ROOT / "snaploader"
 MAX_LINES = 600
 
 # The groups from the bottom up (docs/design.md, "Modules"). A module may import its own
-# group and the groups below it. The shared exceptions are below everything.
+# group and the groups below it. The shared exceptions and options (the "_errors" group:
+# _errors.py, _options.py) are below everything.
 GROUP_ORDER = (
     "_errors",
     "_rng",
@@ -33,7 +34,7 @@ GROUP_ORDER = (
     "",  # the package's entry points: __init__, __main__, demo
 )
 # Top-level modules that belong to a group without a folder of their own.
-TOP_LEVEL_GROUP = {"_errors": "_errors", "_loader": "_loader", "_lifecycle": "_loader", "_view": "_loader", "_rebuild": "_loader"}
+TOP_LEVEL_GROUP = {"_errors": "_errors", "_options": "_errors", "_loader": "_loader", "_lifecycle": "_loader", "_view": "_loader", "_rebuild": "_loader"}
 
 
 def _modules() -> dict[str, Path]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import snaploader
-from snaploader._state.options import Options
+from snaploader._options import Options
 from snaploader._tools import verify_loader
 from snaploader._workers.logical_worker import WorkerRuntime
 

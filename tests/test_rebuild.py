@@ -14,7 +14,7 @@ import torch.utils.data as torch_data
 
 import snaploader
 from snaploader._rebuild import TORCH_ARGUMENTS, rebuilt
-from snaploader._state.options import Options
+from snaploader._options import Options
 
 # More workers than this machine's cores is not what these tests are about.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")

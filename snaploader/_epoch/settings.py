@@ -1,5 +1,5 @@
 """What an iterator knows of its loader: torch's arguments as the loader resolved them
-and snaploader's own options (one :class:`~snaploader._state.options.Options` record),
+and snaploader's own options (one :class:`~snaploader._options.Options` record),
 built by the loader at each ``iter()``. A copy, not the loader (see
 ``_epoch/iterator.py``'s docstring for why)."""
 
@@ -12,7 +12,7 @@ import torch
 
 from .._rng.objects import RngCensus
 from .._rng.per_sample import epoch_seed
-from .._state.options import Options
+from .._options import Options
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from .checkpoint import (
 )
 from .fingerprint import DEFAULTED_KEYS, DISTRIBUTED_FIELDS, FINGERPRINT_KEYS
 from .._errors import CheckpointFormatError
-from .._state.options import MAX_LOGICAL_WORKERS
+from .._options import MAX_LOGICAL_WORKERS
 from .._rng.capture import RngSource, check_rng
 from .._rng.objects import check_objects
 from .._rng.twist import LOAD_TWISTS, code_twists

@@ -32,7 +32,7 @@ import cloudpickle
 import torch
 
 from .._format.plain import tensor_bytes, tensor_from_bytes
-from .._state.options import Options
+from .._options import Options
 from .._state.records import Snapshot
 
 
