@@ -3,11 +3,9 @@ docstring), and the helpers that make their messages name the user's place."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-import functools
-import threading
-from typing import Any, TypeVar
-import warnings
+import os
+import sys
+from typing import Any, Final
 
 
 class CheckpointFormatError(ValueError):
@@ -65,50 +63,19 @@ del _public
 
 # -- helpers for messages --------------------------------------------------------------
 
-# NOTE [ warnings at the user's call ]
-# A warning should point at the user's line: the call of snaploader's entry point that
-# led to it (``iter(loader)``, ``next(it)``, ``load_state_dict``, the constructor),
-# however deep in the package it arises. Nothing looks at the call stack to find that
-# line: each entry point is wrapped in ``user_call``, which collects the warnings its
-# call gives (``warn_user``, on this thread) and gives them as it returns or raises,
-# with the stack level of its caller. An entry point called inside another one (a
-# subclass's ``__iter__`` calling ours, a tool driving a loader) leaves them to the
-# outermost. A warning given where no entry point runs on the thread (a helper called
-# directly) points at the caller of the function that gave it. So a warning raised as an error (a ``"error"``
-# filter) reaches the user from the entry point, after the call's own work.
-_calls = threading.local()
-
-_F = TypeVar("_F", bound=Callable[..., Any])
+# Every module of the package, its subpackages included, lies under this prefix.
+_PACKAGE_PREFIX: Final = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn at the user's call of the entry point running on this thread (NOTE
-    [ warnings at the user's call ])."""
-    given = getattr(_calls, "given", None)
-    if given is None:
-        warnings.warn(message, category, stacklevel=3)
-    else:
-        given.append((message, category))
-
-
-def user_call(method: _F) -> _F:
-    """``method``, an entry point of the public API, giving the warnings its call
-    collects at its caller's line (NOTE [ warnings at the user's call ])."""
-
-    @functools.wraps(method)
-    def entry(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_calls, "given", None) is not None:
-            return method(*args, **kwargs)  # inside another entry point: the outermost gives them
-        given: list[tuple[str, type[Warning]]] = []
-        _calls.given = given
-        try:
-            return method(*args, **kwargs)
-        finally:
-            _calls.given = None
-            for message, category in given:
-                warnings.warn(message, category, stacklevel=2)
-
-    return entry  # type: ignore[return-value]
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first caller outside
+    snaploader (the user's ``iter()`` or ``next()``), however deep we are."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_PREFIX):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 def short_indices(indices: Any, limit: int = 16) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Generic, TypeVar
@@ -10,7 +11,6 @@ from typing import Any, Final, Generic, TypeVar
 import torch
 import torch.utils.data as torch_data
 
-from ._errors import user_call, warn_user
 from ._format.build import build_state
 from ._format.consumed import consumed_of, unrebuilt
 from ._format.parse import parse
@@ -117,7 +117,6 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
     Differences from torch are listed in ``docs/differences.md``.
     """
 
-    @user_call
     def __init__(
         self,
         dataset: torch_data.Dataset[Any],
@@ -245,17 +244,18 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
     def _warn_pin_memory(self) -> None:
         # The same warnings torch's iterator gives, at the same moment.
         if self.pin_memory and self.pin_memory_device:
-            warn_user(
+            warnings.warn(
                 "pin_memory_device is deprecated, the current accelerator will be used as "
-                f"the device,ignore pin_memory_device='{self.pin_memory_device}'."
+                f"the device,ignore pin_memory_device='{self.pin_memory_device}'.",
+                stacklevel=3,
             )
         if self.pin_memory and not torch.accelerator.is_available():
-            warn_user(
+            warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, then "
-                "device pinned memory won't be used."
+                "device pinned memory won't be used.",
+                stacklevel=3,
             )
 
-    @user_call
     def __iter__(self) -> SnapIterator:  # type: ignore[override]
         self._warn_pin_memory()
         return self._begin(self._persistent_iter)
@@ -402,7 +402,6 @@ class DataLoader(LoaderLifecycle, torch_data.DataLoader[_T_co]):  # type: ignore
     # iterator (__iter__ returns self) has only the latter; one that reads a nested loader
     # makes that loader's iterator in __iter__ and hands its state to the loader
     # afterwards, so this is what lets it resume in torchdata's order.
-    @user_call
     def load_state_dict(
         self,
         state: dict[str, Any],

@@ -162,12 +162,3 @@ def test_every_module_says_what_it_holds() -> None:
     bare = [str(p.relative_to(PACKAGE)) for p in MODULES.values()
             if p.read_text().strip() and ast.get_docstring(ast.parse(p.read_text())) is None]
     assert not bare, f"modules without a docstring: {bare}"
-
-
-def test_no_module_inspects_frames() -> None:
-    # A warning points at the user's call through the entry points (NOTE [ warnings at
-    # the user's call ] in _errors.py), and an integration is told, not detected: no
-    # module of the package looks at the call stack.
-    looks = re.compile(r"\b(_getframe|currentframe|f_back|inspect\.stack|extract_stack)\b")
-    found = {str(p.relative_to(PACKAGE)): m.group(1) for p in MODULES.values() if (m := looks.search(p.read_text()))}
-    assert not found, f"modules that inspect frames: {found}"

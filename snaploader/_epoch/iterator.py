@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 from functools import partial
+import warnings
 import weakref
 from typing import Any, Final
 
@@ -35,8 +36,7 @@ from .._errors import (
     WorkerCrashedError,
     length_message,
     short_indices,
-    user_call,
-    warn_user,
+    user_stacklevel,
 )
 from .._workers.inline_runner import InlineRunner
 from .._state.ledger import (
@@ -265,7 +265,6 @@ class SnapIterator:
     def __iter__(self) -> SnapIterator:
         return self
 
-    @user_call
     def __next__(self) -> Any:
         if self.invalidated:
             raise RuntimeError(self.invalidated)
@@ -345,11 +344,12 @@ class SnapIterator:
         while progress.position.skip:
             found = self._next_result(ordered=True)  # a skip counts in the fixed order
             if found is None:
-                warn_user(
+                warnings.warn(
                     f"the skip asked for {asked} batch(es) of epoch {progress.epoch}, but "
                     f"the epoch ended after {asked - progress.position.skip}; the skip does "
                     "not carry over into the next epoch",
                     UserWarning,
+                    stacklevel=user_stacklevel(),
                 )
                 return
             slot, task, result = found
@@ -373,7 +373,7 @@ class SnapIterator:
         if reported is None or yielded <= reported:
             return
         message = length_message(self.settings.dataset, reported, yielded, self.settings.num_workers)
-        warn_user(message)
+        warnings.warn(message, stacklevel=user_stacklevel())
 
     def _where(self, slot: int, task: Task) -> str:
         if self.settings.num_workers == 0:

@@ -32,6 +32,7 @@ import functools
 import hashlib
 import os
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -39,7 +40,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from .._errors import CheckpointFormatError, warn_user
+from .._errors import CheckpointFormatError, user_stacklevel
 from .kinds import KINDS, Access, access_for, encode_entries, encode_header, is_generator, parse
 
 # NOTE [ bounded walk ]
@@ -366,7 +367,7 @@ class RngCensus:
     def _warn(self, message: str) -> None:
         if message not in self.warned:
             self.warned.add(message)
-            warn_user(message, UserWarning)
+            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
     def captured(self) -> list[tuple[str, str]]:
         """(path, kind) of every generator any worker reported, first-seen order."""

@@ -8,12 +8,13 @@ restore of these states is ``_workers/logical_worker.py``'s."""
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler
 
-from .._errors import warn_user
+from .._errors import user_stacklevel
 from .._rng.capture import NativeRng
 
 if TYPE_CHECKING:
@@ -59,13 +60,14 @@ def resolve_state_protocol(option: Any, dataset: Any) -> tuple[bool, str | None]
         raise ValueError(f"state_protocol should be True, False or None, got {option!r}")
     lossy = lossy_state_protocol(dataset) if option is None else None
     if lossy is not None:
-        warn_user(
+        warnings.warn(
             f"{lossy}. snaploader resumes it exactly by replay from the epoch start "
             "instead (as with state_protocol=False), which reads the epoch's batches "
             "before the checkpoint again; pass state_protocol=False to say so and silence "
             "this, or state_protocol=True to resume through the dataset's own state "
             "anyway (not exact)",
             UserWarning,
+            stacklevel=user_stacklevel(),
         )
     return (lossy is None if option is None else option), lossy
 

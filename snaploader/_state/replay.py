@@ -4,10 +4,11 @@ told about it (the ``replay`` option: a warning, nothing, or ReplayRefusedError)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import ReplayRefusedError, warn_user
+from .._errors import ReplayRefusedError, user_stacklevel
 from .ledger import WorkerLedger, replay_without_protocol
 
 
@@ -25,7 +26,7 @@ def announce_replay(
     message = replay_message(dataset, replays, refused=mode == "refuse", state_protocol=state_protocol, lossy=lossy)
     if mode == "refuse":
         raise ReplayRefusedError(message)
-    warn_user(message, UserWarning)
+    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
 
 def replay_message(

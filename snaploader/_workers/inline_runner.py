@@ -32,6 +32,7 @@ snapshot (they differ only if something drew in between), and a warning is given
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -43,7 +44,7 @@ from .._format.plain import check_plain
 from .messages import Result, Task, WorkerSetup
 from .._state.protocol import has_state_protocol
 from .._state.records import Resume, Snapshot
-from .._errors import warn_user
+from .._errors import user_stacklevel
 from .._rng.capture import NativeRng
 from .runner import Runner
 from .logical_worker import WorkerRuntime, set_worker_info
@@ -126,7 +127,7 @@ class InlineRunner(Runner):
         ):
             return
         self.warned_threads = True
-        warn_user(
+        warnings.warn(
             "the global RNG states changed between a batch's snapshot and the swap back "
             "(num_workers=0): another thread drew from random, numpy.random or torch's "
             "global generator while the loader was fetching. num_workers=0 swaps the "
@@ -135,6 +136,7 @@ class InlineRunner(Runner):
             "generator (random.Random, numpy.random.default_rng, torch.Generator) or use "
             "num_workers >= 1 (see docs/differences.md). Warned once",
             RuntimeWarning,
+            stacklevel=user_stacklevel(),
         )
 
     def own_epoch_start(self) -> Snapshot | None:

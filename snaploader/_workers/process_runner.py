@@ -43,13 +43,14 @@ from functools import partial
 import threading
 from collections import deque
 import time
+import warnings
 from multiprocessing.connection import wait
 from multiprocessing.context import BaseContext
 from typing import Callable, Final
 
 import cloudpickle
 
-from .._errors import WorkerCrashedError, WorkerRespawnedWarning, warn_user
+from .._errors import WorkerCrashedError, WorkerRespawnedWarning, user_stacklevel
 from .._state.ledger import EpochProgress
 from .exits import Death, doing, worker_name
 from .pool import FetchMarks, Pool, WorkerProcess, fd_budget
@@ -407,4 +408,4 @@ class ProcessRunner(Runner):
 
 
 def _warn_respawned(message: str) -> None:
-    warn_user(message, WorkerRespawnedWarning)
+    warnings.warn(message, WorkerRespawnedWarning, stacklevel=user_stacklevel())

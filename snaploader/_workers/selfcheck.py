@@ -25,11 +25,12 @@ the batch.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from .._errors import ResumeMismatchWarning, warn_user
+from .._errors import ResumeMismatchWarning, user_stacklevel
 
 if TYPE_CHECKING:
     from .._state.ledger import EpochProgress
@@ -106,9 +107,10 @@ def check_restored_batch(progress: EpochProgress, slot: int, result: Result, wor
     if batch_digest(result.payload) == expected[1]:
         return
     progress.next_batches = []
-    warn_user(
+    warnings.warn(
         mismatch_message(progress.yielded, progress.epoch, worker, expected[0]),
         ResumeMismatchWarning,
+        stacklevel=user_stacklevel(),
     )
 
 
