@@ -17,6 +17,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import snaploader
 from snaploader._format.checkpoint import resign
+from snaploader._state.epoch_record import EpochRecord
 from snaploader.distributed.rules import require_in_order
 
 from ._datasets import StatefulSampler
@@ -210,7 +211,9 @@ def test_the_consistency_checks_follow_the_in_order_field() -> None:
 
 def test_repartitioning_refuses_a_mid_epoch_unordered_checkpoint() -> None:
     # the rule reads two fields of each parsed checkpoint
-    ended, live, unordered = (SimpleNamespace(in_order=o, ended=e) for o, e in ((False, True), (True, False), (False, False)))
+    ended, live, unordered = (
+        SimpleNamespace(record=EpochRecord(in_order=o), ended=e) for o, e in ((False, True), (True, False), (False, False))
+    )
     require_in_order([ended, live])  # type: ignore[list-item]
     with pytest.raises(snaploader.CheckpointMismatchError, match="in_order=False"):
         require_in_order([live, unordered])  # type: ignore[list-item]

@@ -60,9 +60,9 @@ class EpochRecord:
     # it runs over (None: the fingerprint's).
     epoch_length: int | None = _column(None, Column((int, _NONE), low=0, sparse=True))
     # seed_per_sample: the run's per-sample root, the base seed of the loader's first
-    # epoch, carried from epoch to epoch and through checkpoints (NOTE [ per-sample
-    # root ] in _rng/per_sample.py); None: the option is off, or the epoch's base seed is
-    # the root (a first epoch's start, an older file).
+    # epoch, carried from epoch to epoch and through checkpoints
+    # (NOTE [ per-sample root ] in _rng/per_sample.py); None: the option is off, or the
+    # epoch's base seed is the root (a first epoch's start, an older file).
     sample_root: int | None = _column(None, Column((int, _NONE), sparse=True))
 
     def next_epoch(self) -> EpochRecord:
